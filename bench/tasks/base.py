@@ -1,0 +1,156 @@
+"""Shared interface of the synthetic task suite: problems, the task protocol, answer cleaning, splits.
+
+Every task is a seeded generator of :class:`Problem` instances plus an exact checker. Prompts are built by
+``task.format_prompt(input)`` and are identical in training and evaluation; the model's answer starts right
+after the prompt and ends with the EOS token ``<|endoftext|>``.
+
+Train/test membership is decided by a stable hash (MD5) of the *prompt* string, so an input that belongs to
+the test split can never be produced for training, whatever the seed. Hashing the prompt (rather than the
+raw input) keeps the splits consistent between the ``parallel`` mixture and its stand-alone sub-tasks,
+because both render the same prompt for the same problem (e.g. ``"reverse:abcd="``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from typing import Literal, Protocol, runtime_checkable
+
+import attrs
+
+#: Strings that end an answer. A generation is cut at the first occurrence of any of them. They are the
+#: EOS/pad token and the mask token as they appear when ids are decoded with ``skip_special_tokens=False``.
+EOS_MARKERS: tuple[str, ...] = ("<|endoftext|>", "<|mdm_mask|>")
+
+#: Split rule: an input is in the test split iff ``md5(prompt) % TEST_MODULUS == 0``.
+TEST_MODULUS = 10
+
+#: Longest input and output any task may produce (the model generates 64 answer tokens).
+MAX_INPUT_CHARS = 40
+MAX_OUTPUT_CHARS = 60
+
+SplitName = Literal["train", "test"]
+
+
+@attrs.frozen
+class Problem:
+    """One task instance.
+
+    Attributes:
+        task: name of the task that produced it (as accepted by ``get_task``).
+        input: the problem statement (without the task tag; see ``Task.format_prompt``).
+        output: one reference answer; other answers may also be accepted by the checker.
+    """
+
+    task: str
+    input: str
+    output: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A seeded problem generator with an exact checker.
+
+    Attributes:
+        name: registry name of the task.
+        max_input_chars: upper bound on ``len(problem.input)``.
+        max_output_chars: upper bound on ``len(problem.output)`` (the reference answer).
+    """
+
+    name: str
+    max_input_chars: int
+    max_output_chars: int
+
+    def sample(self, rng: random.Random) -> Problem:
+        """Draw one problem using only ``rng`` for randomness (deterministic given the rng state)."""
+        ...
+
+    def format_prompt(self, input: str) -> str:
+        """Return the prompt text given to the model; the same layout is used for training and evaluation."""
+        ...
+
+    def check(self, input: str, generation: str) -> bool:
+        """Return True iff the decoded ``generation`` is a correct answer to ``input``.
+
+        ``generation`` may carry trailing junk after an EOS marker (see :func:`clean_generation`).
+        """
+        ...
+
+
+def clean_generation(generation: str) -> str:
+    """Cut ``generation`` at the first EOS marker (:data:`EOS_MARKERS`) and strip surrounding whitespace."""
+    cut = len(generation)
+    for marker in EOS_MARKERS:
+        pos = generation.find(marker)
+        if pos != -1:
+            cut = min(cut, pos)
+    return generation[:cut].strip()
+
+
+#: Every prompt is left-padded with spaces to this many characters, so the answer always starts at the same
+#: position (the tiny models learn much faster when the answer region does not move).
+PROMPT_WIDTH = 32
+
+
+def tagged_prompt(tag: str, input: str) -> str:
+    """The suite's common prompt layout: ``f"{tag}:{input}="``, left-padded with spaces to :data:`PROMPT_WIDTH`.
+
+    Prompts longer than :data:`PROMPT_WIDTH` (none of the registered tasks produces one) are left as they are.
+    """
+    return f"{tag}:{input}=".rjust(PROMPT_WIDTH)
+
+
+def _hash_int(text: str) -> int:
+    return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16)
+
+
+def is_test_input(task: Task, input: str) -> bool:
+    """True iff ``input`` of ``task`` belongs to the test split (``md5(prompt) % 10 == 0``)."""
+    return _hash_int(task.format_prompt(input)) % TEST_MODULUS == 0
+
+
+def _check_split_name(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+
+
+def iter_split(task: Task, split: SplitName, seed: int) -> Iterator[Problem]:
+    """Endless stream of problems of one split (duplicates possible), deterministic given ``seed``.
+
+    Useful for on-the-fly training data; :func:`split` returns a fixed, de-duplicated list.
+    """
+    _check_split_name(split)
+    want_test = split == "test"
+    rng = random.Random(f"polestar:{task.name}:{split}:{seed}")
+    while True:
+        problem = task.sample(rng)
+        if is_test_input(task, problem.input) == want_test:
+            yield problem
+
+
+def split(task: Task, n: int, split: SplitName, seed: int) -> list[Problem]:
+    """Return ``n`` distinct problems (distinct inputs) from the ``"train"`` or ``"test"`` split.
+
+    Deterministic given ``(task.name, split, seed)``; no test input ever appears in a train list.
+    Raises ValueError if the split cannot supply ``n`` distinct inputs within a generous number of draws.
+    """
+    _check_split_name(split)
+    if n < 0:
+        raise ValueError(f"n must be non-negative, got {n}")
+    out: list[Problem] = []
+    seen: set[str] = set()
+    want_test = split == "test"
+    rng = random.Random(f"polestar:{task.name}:{split}:{seed}")
+    budget = 200 * n + 1000
+    for _ in range(budget):
+        if len(out) >= n:
+            break
+        problem = task.sample(rng)
+        if problem.input in seen or is_test_input(task, problem.input) != want_test:
+            continue
+        seen.add(problem.input)
+        out.append(problem)
+    if len(out) < n:
+        raise ValueError(f"task {task.name!r}: only {len(out)} distinct {split} inputs found, wanted {n}")
+    return out

@@ -1,0 +1,51 @@
+"""Numeric building blocks shared by the LLaDA and Dream backbones: RMSNorm, half-split RoPE, SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the affine weight (LLaDA ``RMSLayerNorm``, Qwen2 ``RMSNorm``).
+
+    Input ``[..., d]`` → output ``[..., d]`` in the input dtype.
+    """
+
+    def __init__(self, d: int, eps: float, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return out if self.bias is None else out + self.bias
+
+
+class Rotary(nn.Module):
+    """Half-split rotary embedding (``rotate_half``), as LLaDA and Qwen2/Dream apply it.
+
+    ``cos_sin(positions [B, C])`` → cos, sin ``[B, 1, C, head_dim]`` in fp32; ``apply(x [B, H, C, hd], cos, sin)``
+    rotates in fp32 and returns the input dtype.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)

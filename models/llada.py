@@ -1,0 +1,170 @@
+"""LLaDA backbone (``model_type: llada``) under the real checkpoint tensor names.
+
+Tensor names (LLaDA-8B): ``model.transformer.wte.weight``, ``model.transformer.blocks.{i}.{q_proj,k_proj,v_proj,
+attn_out,ff_proj,up_proj,ff_out,attn_norm,ff_norm}.weight``, ``model.transformer.ln_f.weight``,
+``model.transformer.ff_out.weight`` (absent with ``weight_tying``). SwiGLU MLP ``ff_out(silu(ff_proj(x)) * up_proj(x))``,
+half-split RoPE, RMSNorm, bidirectional attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backbone import DiffusionLM, LayerParts
+from .layers import RMSNorm
+from .spec import ModelSpec
+
+# config.json values our LLaDA backbone implements; anything else is refused with the field named.
+_REQUIRED = {
+    "block_type": ("llama",),
+    "layer_norm_type": ("rms",),
+    "activation_type": ("silu",),
+    "rope": (True,),
+    "alibi": (False, None),
+    "attention_layer_norm": (False, None),
+    "input_emb_norm": (False, None),
+    "scale_logits": (False, None),
+    "multi_query_attention": (None, False),
+}
+
+
+def llada_spec(cfg: dict[str, Any]) -> ModelSpec:
+    """Build a :class:`ModelSpec` from a LLaDA ``config.json`` dict (field names of ``LLaDAConfig``)."""
+    for key, allowed in _REQUIRED.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(
+                f"config.json: {key}={cfg[key]!r} is not supported by polestar's LLaDA backbone "
+                f"(supported: {allowed}); only LLaDA-8B-style 'llama' blocks are implemented"
+            )
+    missing = [k for k in ("d_model", "n_heads", "n_layers", "vocab_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json is missing LLaDA fields {missing}")
+    d = cfg["d_model"]
+    include_bias = bool(cfg.get("include_bias", False))
+    mlp_hidden = cfg.get("mlp_hidden_size") or cfg.get("mlp_ratio", 4) * d
+    vocab = cfg["vocab_size"]
+    emb = cfg.get("embedding_size") or vocab
+    return ModelSpec(
+        family="llada",
+        n_layers=cfg["n_layers"],
+        d_model=d,
+        n_heads=cfg["n_heads"],
+        n_kv_heads=cfg.get("n_kv_heads") or cfg["n_heads"],
+        mlp_hidden=mlp_hidden,
+        vocab_size=emb,
+        embedding_size=emb,
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_seq_len=cfg.get("max_sequence_length", 4096),
+        mask_id=cfg.get("mask_token_id", 126336),
+        eos_id=cfg.get("eos_token_id", 126081),
+        pad_id=cfg.get("pad_token_id", cfg.get("eos_token_id", 126081)),
+        qkv_bias=include_bias or bool(cfg.get("include_qkv_bias", False)),
+        out_bias=include_bias,
+        mlp_bias=include_bias,
+        tie_embeddings=bool(cfg.get("weight_tying", False)),
+        logit_shift=0,
+    )
+
+
+def llada_config(spec: ModelSpec) -> dict[str, Any]:
+    """The ``config.json`` LLaDA's own code reads for ``spec`` (used when the project writes checkpoints)."""
+    return {
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "d_model": spec.d_model,
+        "n_heads": spec.n_heads,
+        "n_kv_heads": spec.n_kv_heads,
+        "n_layers": spec.n_layers,
+        "mlp_hidden_size": spec.mlp_hidden,
+        "mlp_ratio": 4,
+        "vocab_size": spec.vocab_size,
+        "embedding_size": spec.embedding_size,
+        "rope": True,
+        "rope_theta": spec.rope_theta,
+        "rope_full_precision": True,
+        "rms_norm_eps": spec.norm_eps,
+        "layer_norm_type": "rms",
+        "layer_norm_with_affine": True,
+        "bias_for_layer_norm": False,
+        "block_type": "llama",
+        "activation_type": "silu",
+        "alibi": False,
+        "attention_layer_norm": False,
+        "input_emb_norm": False,
+        "scale_logits": False,
+        "include_bias": False,
+        "include_qkv_bias": spec.qkv_bias,
+        "weight_tying": spec.tie_embeddings,
+        "max_sequence_length": spec.max_seq_len,
+        "mask_token_id": spec.mask_id,
+        "eos_token_id": spec.eos_id,
+        "pad_token_id": spec.pad_id,
+        "attention_dropout": 0.0,
+        "residual_dropout": 0.0,
+        "embedding_dropout": 0.0,
+        "block_group_size": 1,
+        "flash_attention": False,
+        "init_fn": "mitchell",
+        "use_cache": False,
+    }
+
+
+class _LLaDABlock(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d, kv = spec.d_model, spec.n_kv_heads * spec.head_dim
+        self.attn_norm = RMSNorm(d, spec.norm_eps, bias=spec.out_bias)
+        self.ff_norm = RMSNorm(d, spec.norm_eps, bias=spec.out_bias)
+        self.q_proj = nn.Linear(d, d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(d, kv, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(d, kv, bias=spec.qkv_bias)
+        self.attn_out = nn.Linear(d, d, bias=spec.out_bias)
+        self.ff_proj = nn.Linear(d, spec.mlp_hidden, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(d, spec.mlp_hidden, bias=spec.mlp_bias)
+        self.ff_out = nn.Linear(spec.mlp_hidden, d, bias=spec.mlp_bias)
+
+
+class LLaDA(DiffusionLM):
+    """LLaDA masked-diffusion LM (Nie et al. 2025, "Large Language Diffusion Models"), plan-executing.
+
+    Shapes: ``input_ids [B, L]`` → logits ``[B, L, embedding_size]``. Parameters live under
+    ``model.transformer.*`` exactly as in LLaDA's Hugging Face checkpoints.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(spec.embedding_size, spec.d_model),
+                "blocks": nn.ModuleList(_LLaDABlock(spec) for _ in range(spec.n_layers)),
+                "ln_f": RMSNorm(spec.d_model, spec.norm_eps, bias=spec.out_bias),
+            }
+        )
+        if not spec.tie_embeddings:
+            transformer["ff_out"] = nn.Linear(spec.d_model, spec.embedding_size, bias=spec.out_bias)
+        self.model = nn.Module()
+        self.model.transformer = transformer
+        self._parts = [
+            LayerParts(b.attn_norm, b.q_proj, b.k_proj, b.v_proj, b.attn_out, b.ff_norm, b.ff_proj, b.up_proj, b.ff_out)
+            for b in transformer["blocks"]
+        ]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer["wte"](ids)
+
+    def layer_parts(self, layer: int) -> LayerParts:
+        return self._parts[layer]
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer["ln_f"](h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        t = self.model.transformer
+        if self.spec.tie_embeddings:
+            return F.linear(h, t["wte"].weight)
+        return t["ff_out"](h)

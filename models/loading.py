@@ -1,0 +1,214 @@
+"""Load and save Hugging Face-format checkpoint directories (config.json + safetensors), strictly, without pickle."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .backbone import DiffusionLM
+from .dream import Dream, dream_config, dream_spec
+from .llada import LLaDA, llada_config, llada_spec
+from .spec import ModelSpec
+
+CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
+
+# model_type (lower-cased) -> (config.json -> spec, backbone class, spec -> config.json)
+FAMILIES: dict[str, tuple[Callable[[dict], ModelSpec], type[DiffusionLM], Callable[[ModelSpec], dict]]] = {
+    "llada": (llada_spec, LLaDA, llada_config),
+    "dream": (dream_spec, Dream, dream_config),
+}
+# buffers some exporters write that are not parameters of the architecture
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def shipped_checkpoints() -> list[str]:
+    """Names of the checkpoints shipped inside the package (``polestar.load(name)`` finds them)."""
+    if not CHECKPOINT_DIR.is_dir():
+        return []
+    return sorted(p.name for p in CHECKPOINT_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_checkpoint(path_or_name: str | Path) -> Path:
+    """A directory path, or the name of a shipped checkpoint, → the checkpoint directory."""
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return path
+    shipped = CHECKPOINT_DIR / str(path_or_name)
+    if (shipped / "config.json").is_file():
+        return shipped
+    raise FileNotFoundError(
+        f"checkpoint {str(path_or_name)!r} not found: it is neither a directory nor a shipped checkpoint name "
+        f"(shipped: {', '.join(shipped_checkpoints()) or 'none'}). Pass a Hugging Face-format directory "
+        "holding config.json and model.safetensors."
+    )
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of float32, bfloat16, float16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json; a Hugging Face-format checkpoint directory is expected")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{cfg_path} is not valid JSON: {err}") from err
+
+
+def family_of(cfg: dict[str, Any], where: Path) -> str:
+    model_type = str(cfg.get("model_type", "")).lower()
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{where / 'config.json'}: model_type {cfg.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(['llada', 'Dream'])}"
+        )
+    return model_type
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """Map tensor name → safetensors file, from ``model.safetensors`` or a sharded index."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = {name: directory / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise FileNotFoundError(f"{index} names shard {shard.name}, which is missing from {directory}")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise ValueError(f"{directory} holds only pickled weights (*.bin/*.pt), which polestar never loads; convert them to safetensors")
+    raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
+    """Load an LLaDA or Dream checkpoint directory strictly: every parameter present with its exact shape.
+
+    Raises one error naming every missing, unexpected or mis-shaped tensor. The tokenizer (``tokenizer.json``),
+    when present, is attached as ``model.tokenizer``.
+    """
+    directory = resolve_checkpoint(path_or_name)
+    dtype = resolve_dtype(dtype)
+    cfg = read_config(directory)
+    family = family_of(cfg, directory)
+    spec_fn, cls, _ = FAMILIES[family]
+    spec = spec_fn(cfg)
+    files = _tensor_files(directory)
+    with torch.device("meta"):
+        model = cls(spec)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+    missing = sorted(set(expected) - names)
+    unexpected = sorted(names - set(expected))
+    tensors: dict[str, torch.Tensor] = {}
+    misshaped = []
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(names & set(expected)):
+        by_file.setdefault(files[name], []).append(name)
+    for file, members in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in members:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != expected[name]:
+                    misshaped.append(f"{name} has shape {tuple(t.shape)}, expected {expected[name]}")
+                tensors[name] = t
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected[:20])}{' ...' if len(unexpected) > 20 else ''}")
+    if misshaped:
+        problems.append("mis-shaped tensors: " + "; ".join(misshaped[:20]))
+    if problems:
+        raise ValueError(
+            f"checkpoint {directory} does not match its config.json ({family}): " + " | ".join(problems)
+            + ". Re-export the checkpoint or fix config.json."
+        )
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: t.to(dtype) for k, t in tensors.items()}, strict=True)
+    model.rotary.inv_freq = (1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))).to(device)
+    model.to(dtype=dtype).eval()
+    model.rotary.inv_freq = model.rotary.inv_freq.float()
+    model.tokenizer = _load_tokenizer(directory)
+    model.name_or_path = str(directory)
+    return model
+
+
+def _load_tokenizer(directory: Path):
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def save_model(model: DiffusionLM, directory: str | Path, tokenizer=None, shard_size: int | None = None) -> Path:
+    """Write ``model`` as a Hugging Face-format directory (config.json, safetensors, optional tokenizer.json).
+
+    ``shard_size`` (number of tensors per shard) writes a sharded ``model.safetensors.index.json`` layout.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = FAMILIES[model.spec.family][2](model.spec)
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: t.detach().contiguous().cpu() for k, t in model.state_dict().items()}
+    if shard_size is None:
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        names = sorted(state)
+        chunks = [names[i : i + shard_size] for i in range(0, len(names), shard_size)]
+        weight_map = {}
+        for i, chunk in enumerate(chunks):
+            shard = f"model-{i + 1:05d}-of-{len(chunks):05d}.safetensors"
+            save_file({n: state[n] for n in chunk}, str(directory / shard), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(chunk, shard))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
+    if tokenizer is not None:
+        tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def build_model(family: str, spec_kwargs: dict[str, Any], seed: int = 0) -> DiffusionLM:
+    """A randomly initialised backbone of ``family`` (``"llada"`` or ``"dream"``); used by tests and training."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
+    spec = ModelSpec(family=family, logit_shift=1 if family == "dream" else 0, **spec_kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    model = FAMILIES[family][1](spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.02, generator=gen)
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()

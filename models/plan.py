@@ -1,0 +1,99 @@
+"""The refresh plan and the preallocated decoding cache that a backbone executes it against."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .spec import ModelSpec
+
+
+class Plan(NamedTuple):
+    """Which positions each layer recomputes in one forward pass.
+
+    ``index``: LongTensor ``[B, C]`` (the same positions at every layer) or ``[n_layers, B, C]`` (per layer),
+    values in ``[0, T]`` where ``T`` (the cache's *trash slot*) marks an unused slot. ``valid``: BoolTensor of the
+    same shape, False for unused slots (their writes land in the trash slot and their outputs are ignored).
+    ``target_offset``: the slot holding the hidden state that predicts the first position of the current block
+    (the engine reads ``h[:, target_offset : target_offset + block_length]``; for Dream's shifted logits the plan
+    starts one position before the block).
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    target_offset: int = 0
+
+    @property
+    def per_layer(self) -> bool:
+        return self.index.dim() == 3
+
+    def at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.per_layer:
+            return self.index[layer], self.valid[layer]
+        return self.index, self.valid
+
+    @property
+    def capacity(self) -> int:
+        return self.index.shape[-1]
+
+
+class DecodeCache:
+    """K/V (and optionally layer-input hidden states) for every layer, allocated once per generation.
+
+    Shapes (``T`` = sequence length, one extra *trash slot* at index ``T`` absorbs writes of unused plan slots):
+    ``k[l], v[l]``: ``[B, n_kv_heads, T + 1, head_dim]`` (keys stored after RoPE);
+    ``hidden[l]``: ``[B, T + 1, d_model]``, the input of layer ``l`` (only when ``store_hidden``);
+    ``key_valid``: ``[B, T + 1]`` bool, False for left padding and the trash slot;
+    ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions).
+    """
+
+    def __init__(self, spec: ModelSpec, attention_mask: torch.Tensor, dtype: torch.dtype, store_hidden: bool = False):
+        B, T = attention_mask.shape
+        device = attention_mask.device
+        self.spec = spec
+        self.length = T
+        kv_shape = (B, spec.n_kv_heads, T + 1, spec.head_dim)
+        self.k = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(spec.n_layers)]
+        self.v = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(spec.n_layers)]
+        self.hidden = (
+            [torch.zeros(B, T + 1, spec.d_model, dtype=dtype, device=device) for _ in range(spec.n_layers)]
+            if store_hidden
+            else None
+        )
+        am = attention_mask.to(torch.bool)
+        self.key_valid = torch.cat([am, torch.zeros(B, 1, dtype=torch.bool, device=device)], dim=1)
+        pos = (am.long().cumsum(-1) - 1).clamp_min(0)
+        self.positions = torch.cat([pos, torch.zeros(B, 1, dtype=torch.long, device=device)], dim=1)
+
+    @property
+    def trash(self) -> int:
+        return self.length
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_valid.shape[0]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (LongTensor ``[B']``), e.g. dropping finished sequences."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        if self.hidden is not None:
+            self.hidden = [t.index_select(0, rows) for t in self.hidden]
+        self.key_valid = self.key_valid.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+
+
+def full_plan(batch: int, length: int, device) -> Plan:
+    """Every position at every layer: the plain full forward."""
+    index = torch.arange(length, device=device).expand(batch, length)
+    return Plan(index, torch.ones(batch, length, dtype=torch.bool, device=device), 0)
+
+
+def span_plan(batch: int, start: int, end: int, device, active: torch.Tensor | None = None) -> Plan:
+    """Positions ``[start, end)`` at every layer; rows where ``active`` ([B] bool) is False are all unused."""
+    index = torch.arange(start, end, device=device).expand(batch, end - start)
+    valid = torch.ones(batch, end - start, dtype=torch.bool, device=device)
+    if active is not None:
+        valid = valid & active[:, None]
+    return Plan(index, valid, 0)

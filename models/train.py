@@ -1,0 +1,422 @@
+"""Train the tiny shipped checkpoints (``tiny-llada``, ``tiny-dream``) on the synthetic task suite.
+
+Masked-diffusion objective (LLaDA, also used for the Dream variant since its logits are pre-shifted so that
+``logits[:, i]`` predicts token ``i`` in both families):
+
+* a training sequence is the formatted prompt (every prompt is left-padded to ``PROMPT_WIDTH`` characters, so
+  the answer always starts at the same position) followed by an answer region of exactly ``GEN`` tokens: the
+  answer characters, then EOS fill;
+* per sequence ``t ~ U(eps, 1)`` (stratified over the batch); each answer-region token is replaced by the mask
+  id independently with probability ``t``; prompt tokens are never masked;
+* loss = cross-entropy on the masked positions weighted by ``1/t`` and by a per-position weight (1 for answer
+  characters and the first EOS, ``--eos-weight`` for the EOS fill after it, so the padding does not dominate),
+  normalised by the total weight of the answer region.
+
+Usage::
+
+    python -m polestar.models.train --family llada --out models/checkpoints/tiny-llada --minutes 40
+
+Writes ``config.json``, ``model.safetensors``, ``tokenizer.json``, ``train_log.jsonl`` and a ``README.md`` model
+card (with test accuracies measured at the end of training, baseline decoding) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..bench.tasks import get_task, iter_split, split
+from .loading import build_model, save_model
+from .tokenizer import build_char_tokenizer, special_ids
+
+#: Answer-region length (the benchmark generates 64 tokens).
+GEN = 64
+
+#: Default training mixture (task -> sampling weight); arith and countdown weighted up.
+DEFAULT_MIXTURE: dict[str, float] = {
+    "arith": 4.0,
+    "countdown": 3.0,
+    "countdown4": 1.0,
+    "sudoku": 2.0,
+    "copy": 0.5,
+    "reverse": 0.5,
+    "sort": 0.5,
+    "pick": 0.5,
+}
+
+#: Decoding used for every accuracy number (the benchmark's reference decoder).
+EVAL_DECODE = dict(policy="baseline", gen_length=GEN, block_length=16, steps=GEN)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arguments and model spec
+# ---------------------------------------------------------------------------------------------------------------
+def parse_mixture(text: str) -> dict[str, float]:
+    """``"arith=4,countdown=3,copy"`` -> ``{"arith": 4.0, "countdown": 3.0, "copy": 1.0}``."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, w = part.partition("=")
+        out[name.strip()] = float(w) if w else 1.0
+    if not out:
+        raise ValueError("empty task mixture")
+    for name in out:
+        get_task(name)  # validates the name
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m polestar.models.train", description=__doc__.split("\n")[0])
+    p.add_argument("--family", choices=("llada", "dream"), required=True)
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--minutes", type=float, default=45.0, help="training time budget (wall clock, excl. final eval)")
+    p.add_argument("--steps", type=int, default=None, help="fixed number of steps (lr schedule by steps, not time)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: heads (llada), heads/2 (dream)")
+    p.add_argument("--mlp-ratio", type=float, default=4.0)
+    p.add_argument("--rope-theta", type=float, default=None, help="default: 500000 (llada), 1e6 (dream)")
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr-frac", type=float, default=0.05, help="final lr as a fraction of --lr")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--eps", type=float, default=1e-3, help="t ~ U(eps, 1)")
+    p.add_argument("--eos-weight", type=float, default=0.15, help="loss weight of EOS fill after the first EOS")
+    p.add_argument("--tasks", type=parse_mixture, default=dict(DEFAULT_MIXTURE), help="e.g. arith=4,countdown=3,copy=1")
+    p.add_argument("--eval-every", type=int, default=400, help="steps between accuracy probes (0: never)")
+    p.add_argument("--eval-n", type=int, default=16, help="held-out test problems per task in each probe")
+    p.add_argument("--final-n", type=int, default=200, help="test problems per task in the final evaluation (0: skip)")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--no-progress", action="store_true", help="disable the tqdm bar")
+    return p
+
+
+def spec_kwargs_from_args(args: argparse.Namespace, vocab: int, ids: dict[str, int]) -> dict:
+    dream = args.family == "dream"
+    kv = args.kv_heads or (max(1, args.heads // 2) if dream else args.heads)
+    theta = args.rope_theta or (1e6 if dream else 500000.0)
+    return dict(
+        n_layers=args.layers,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_kv_heads=kv,
+        mlp_hidden=int(round(args.mlp_ratio * args.d_model)),
+        vocab_size=vocab,
+        embedding_size=vocab,
+        rope_theta=float(theta),
+        norm_eps=1e-5 if not dream else 1e-6,
+        max_seq_len=args.max_seq_len,
+        mask_id=ids["mask"],
+        eos_id=ids["eos"],
+        pad_id=ids["pad"],
+        qkv_bias=dream,  # Dream (Qwen2-style) has q/k/v biases; LLaDA has none
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------------------------
+class Batcher:
+    """Draws training sequences from the train splits of a weighted task mixture, deterministically per seed.
+
+    Each row is ``prompt (right-aligned to the batch's prompt length, left-padded with pad ids that are masked
+    out of attention) + answer + EOS fill`` with an answer region of exactly ``gen`` tokens.
+    """
+
+    def __init__(self, tok, mixture: dict[str, float], seed: int, gen: int = GEN):
+        self.tok = tok
+        self.gen = gen
+        self.ids = special_ids(tok)
+        self.names = list(mixture)
+        self.weights = [mixture[n] for n in self.names]
+        self.tasks = {n: get_task(n) for n in self.names}
+        self.streams = {n: iter_split(self.tasks[n], "train", seed) for n in self.names}
+        self.rng = random.Random(seed)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def sample(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(ids [B, P+gen], attention_mask [B, P+gen] bool, P)``."""
+        prompts, answers = [], []
+        for name in self.rng.choices(self.names, weights=self.weights, k=batch):
+            prob = next(self.streams[name])
+            task = self.tasks[name]
+            prompts.append(self.encode(task.format_prompt(prob.input)))
+            ans = self.encode(prob.output)
+            if len(ans) >= self.gen:
+                raise ValueError(f"answer of {name} longer than the answer region ({len(ans)} >= {self.gen})")
+            answers.append(ans)
+        P = max(len(p) for p in prompts)
+        pad, eos = self.ids["pad"], self.ids["eos"]
+        ids = torch.full((batch, P + self.gen), eos, dtype=torch.long)
+        att = torch.ones(batch, P + self.gen, dtype=torch.bool)
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            off = P - len(p)
+            if off:
+                ids[i, :off] = pad
+                att[i, :off] = False
+            ids[i, off:P] = torch.tensor(p)
+            ids[i, P : P + len(a)] = torch.tensor(a)
+        return ids, att, P
+
+
+def diffusion_loss(
+    model,
+    ids: torch.Tensor,
+    att: torch.Tensor,
+    prompt_len: int,
+    gen: torch.Generator,
+    eps: float = 1e-3,
+    eos_weight: float = 0.15,
+) -> torch.Tensor:
+    """The masked-diffusion loss of one batch (see the module docstring)."""
+    spec = model.spec
+    B, L = ids.shape
+    ans = ids[:, prompt_len:]
+    # stratified t over the batch: lower variance than i.i.d. draws, same marginal U(eps, 1)
+    u = (torch.arange(B, dtype=torch.float32) + torch.rand(B, generator=gen)) / B
+    t = eps + (1 - eps) * u[torch.randperm(B, generator=gen)]
+    masked = torch.rand(ans.shape, generator=gen) < t[:, None]
+    noisy = ids.clone()
+    noisy[:, prompt_len:] = torch.where(masked, torch.full_like(ans, spec.mask_id), ans)
+    # per-position weight: 1 up to and including the first EOS, eos_weight for the fill after it
+    is_eos = ans == spec.eos_id
+    after_first = (is_eos.long().cumsum(1) > 1) & is_eos
+    weight = torch.where(after_first, torch.full(ans.shape, eos_weight), torch.ones(ans.shape))
+    logits = model(noisy, att)[:, prompt_len:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ans.reshape(-1), reduction="none").view(B, -1)
+    loss = (ce * masked * weight / t[:, None]).sum() / weight.sum()
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model, task_names, n: int, seed: int = 0, batch_size: int = 100, **decode) -> dict[str, float]:
+    """Accuracy of ``model`` on ``n`` held-out test problems per task (baseline decoding unless overridden)."""
+    import polestar
+
+    kw = dict(EVAL_DECODE)
+    kw.update(decode)
+    was_training = model.training
+    model.eval()
+    out: dict[str, float] = {}
+    for name in task_names:
+        task = get_task(name)
+        probs = split(task, n, "test", seed)
+        correct = 0
+        for i in range(0, n, batch_size):
+            chunk = probs[i : i + batch_size]
+            texts = polestar.generate(model, [task.format_prompt(p.input) for p in chunk], **kw).texts
+            correct += sum(task.check(p.input, g) for p, g in zip(chunk, texts))
+        out[name] = correct / n
+    model.train(was_training)
+    return out
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------------------------
+def lr_at(args, step: int, progress: float) -> float:
+    warm = min(1.0, (step + 1) / max(1, args.warmup))
+    cos = args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return args.lr * warm * cos
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "train_log.jsonl"
+    log_f = log_path.open("w")
+
+    def log(rec: dict) -> None:
+        log_f.write(json.dumps(rec) + "\n")
+        log_f.flush()
+
+    tok = build_char_tokenizer()
+    ids = special_ids(tok)
+    vocab = tok.get_vocab_size()
+    model = build_model(args.family, spec_kwargs_from_args(args, vocab, ids), seed=args.seed)
+    model.tokenizer = tok
+    model.train()
+    params = n_params(model)
+    log({"event": "start", "argv": sys.argv, "family": args.family, "params": params,
+         "spec": {k: getattr(model.spec, k) for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden",
+                                                       "vocab_size", "rope_theta", "max_seq_len")},
+         "mixture": args.tasks})
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
+    batcher = Batcher(tok, args.tasks, args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    budget = args.minutes * 60.0
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc=f"train {args.family}", dynamic_ncols=True, mininterval=5.0)
+    t0 = time.time()
+    eval_time = 0.0
+    step = 0
+    ema = None
+    history = []
+    while True:
+        elapsed = time.time() - t0
+        if args.steps is not None:
+            if step >= args.steps or elapsed >= budget:
+                break
+            progress = step / args.steps
+        else:
+            if elapsed >= budget:
+                break
+            progress = elapsed / budget
+        lr = lr_at(args, step, progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, att, P = batcher.sample(args.batch)
+        loss = diffusion_loss(model, x, att, P, gen, eps=args.eps, eos_weight=args.eos_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        lv = loss.item()
+        history.append(lv)
+        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", refresh=False)
+        if step % args.log_every == 0 or step == 1:
+            log({"step": step, "time": round(time.time() - t0, 1), "loss": lv, "loss_ema": ema, "lr": lr,
+                 "grad_norm": float(gnorm)})
+        if args.eval_every and step % args.eval_every == 0:
+            te = time.time()
+            acc = evaluate(model, list(args.tasks), args.eval_n, seed=args.seed)
+            eval_time += time.time() - te
+            log({"step": step, "time": round(time.time() - t0, 1), "eval_n": args.eval_n, "acc": acc})
+            msg = " ".join(f"{k}={v:.2f}" for k, v in acc.items())
+            (bar.write if bar is not None else print)(f"step {step} loss {ema:.3f} | {msg}")
+            save_model(model, out, tokenizer=tok)  # intermediate checkpoint
+    if bar is not None:
+        bar.close()
+    train_time = time.time() - t0
+    model.eval()
+    save_model(model, out, tokenizer=tok)
+    log({"event": "trained", "steps": step, "train_time_s": round(train_time, 1), "probe_eval_time_s": round(eval_time, 1),
+         "final_loss_ema": ema})
+    print(f"trained {step} steps in {train_time / 60:.1f} min; loss(ema) {ema:.4f}", flush=True)
+    final = {}
+    eval_s = 0.0
+    if args.final_n:
+        te = time.time()
+        final = evaluate(model, list(DEFAULT_MIXTURE), args.final_n, seed=0)
+        eval_s = time.time() - te
+        log({"event": "final_eval", "n": args.final_n, "acc": final, "time_s": round(eval_s, 1), **EVAL_DECODE})
+        print("final accuracy (n=%d): %s" % (args.final_n, json.dumps(final)), flush=True)
+    summary = {"steps": step, "train_time_s": train_time, "final_eval_time_s": eval_s, "params": params,
+               "final_acc": final, "loss_ema": ema, "history": history}
+    write_model_card(out, args, model, summary)
+    log_f.close()
+    return summary
+
+
+def write_model_card(out: Path, args: argparse.Namespace, model, summary: dict) -> None:
+    s = model.spec
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    name = out.name
+    cmd = "python -m polestar.models.train " + " ".join(sys.argv[1:]) if sys.argv and "train" in sys.argv[0] else "(programmatic)"
+    acc_rows = "\n".join(f"| {k} | {v * 100:.1f}% |" for k, v in summary["final_acc"].items()) or "| (not measured) | |"
+    mix = ", ".join(f"{k}={v:g}" for k, v in args.tasks.items())
+    text = f"""# {name}
+
+A tiny randomly-initialised **{ 'LLaDA' if s.family == 'llada' else 'Dream' }-architecture** masked diffusion LM trained
+from scratch on polestar's synthetic task suite (`polestar.bench.tasks`), shipped so that the decoding policies can
+be tested and benchmarked on CPU. It is *not* a port of the real {'LLaDA-8B' if s.family == 'llada' else 'Dream-7B'} weights.
+
+Load with `polestar.load("{name}")` (or `polestar.models.loading.load_model("{name}")`).
+
+## Architecture
+
+| field | value |
+|---|---|
+| family | {s.family} (`logit_shift={s.logit_shift}`) |
+| layers | {s.n_layers} |
+| d_model | {s.d_model} |
+| heads / kv heads | {s.n_heads} / {s.n_kv_heads} |
+| SwiGLU hidden | {s.mlp_hidden} |
+| vocab | {s.vocab_size} (character tokenizer, `tokenizer.json`; mask id {s.mask_id}, eos/pad id {s.eos_id}) |
+| rope theta | {s.rope_theta:g} |
+| qkv bias | {s.qkv_bias} |
+| max_seq_len | {s.max_seq_len} |
+| parameters | {summary['params']:,} |
+| file size (fp32 safetensors) | {size_mb:.2f} MB |
+
+## Training
+
+Command (from the repository root, installed as `polestar`):
+
+```
+{cmd}
+```
+
+* Objective: LLaDA masked diffusion. Sequence = prompt (left-padded with spaces to 32 characters by
+  `format_prompt`) + answer region of exactly {GEN} tokens (answer characters, then EOS fill). Per sequence
+  t ~ U({args.eps:g}, 1) (stratified across the batch); each answer-region token is masked with probability t;
+  cross-entropy on masked positions weighted by 1/t; EOS fill after the first EOS weighted {args.eos_weight:g};
+  normalised by the total answer-region weight. Prompt tokens are never masked.
+* Mixture (train splits only; weights): {mix}.
+* AdamW (betas 0.9/0.98, weight decay {args.weight_decay:g}), peak lr {args.lr:g}, {args.warmup} warmup steps,
+  cosine decay to {args.min_lr_frac:g}x over the {'step' if args.steps else 'time'} budget, grad clip 1.0,
+  batch {args.batch}, seed {args.seed}, {args.threads} CPU thread(s).
+* Steps: {summary['steps']}; training wall time {summary['train_time_s'] / 60:.1f} min (includes periodic accuracy
+  probes); final loss (EMA) {summary['loss_ema']:.4f}.
+* Log: `train_log.jsonl` (loss every {args.log_every} steps; accuracy on {args.eval_n} test problems per task every
+  {args.eval_every} steps; final evaluation).
+
+## Test accuracy
+
+Measured at the end of training on n={args.final_n} held-out test problems per task (`split(task, n, "test",
+seed=0)`), decoding with `polestar.generate(model, prompts, policy="baseline", gen_length=64, block_length=16,
+steps=64)` (greedy, one token per step), checked with `task.check` (final-answer correctness). Evaluation
+took {summary['final_eval_time_s'] / 60:.1f} min.
+
+| task | accuracy |
+|---|---|
+{acc_rows}
+"""
+    (out / "README.md").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The block/step decoding loop: plain Python around one step (plan → forward → predict → commit)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from polestar.models.backbone import DiffusionLM
+
+from .config import GenerationConfig
+from .policy import Pipeline
+from .state import DecodeState, Prediction
+from .stats import RunStats, SequenceStats
+from polestar.policies.commit_basic import transfer_counts
+
+
+def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, generator: torch.Generator, mask_id: int) -> Prediction:
+    """Proposals for the block: ``logits [B, bl, V]``, ``masked [B, bl]`` → :class:`Prediction`.
+
+    The mask token is never proposed (its logit is excluded before argmax / sampling). With ``temperature > 0``
+    tokens are Gumbel-max samples in float64 as in LLaDA (``exp(l) / (-log u)^temperature``). Confidence is the
+    float64 softmax probability of the proposed token under the unmodified logits.
+    """
+    l64 = logits.to(torch.float64)
+    scores = l64
+    if 0 <= mask_id < logits.shape[-1]:
+        scores = l64.clone()
+        scores[..., mask_id] = float("-inf")
+    if temperature > 0:
+        noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64, device=generator.device)
+        scores = scores.exp() / (-torch.log(noise.to(scores.device))) ** temperature
+    tokens = scores.argmax(dim=-1)
+    conf = (l64.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(l64, dim=-1)).exp()
+    return Prediction(tokens, conf.masked_fill(~masked, float("-inf")), logits)
+
+
+def eos_finished(gen: torch.Tensor, mask_id: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose generation ``gen [B, G]`` holds an EOS with every earlier position committed.
+
+    Returns ``(finished [B] bool, fill [B, G] bool)`` where ``fill`` marks the masked positions after that EOS.
+    """
+    is_eos = gen == eos_id
+    has_eos = is_eos.any(dim=1)
+    first = torch.where(has_eos, is_eos.long().argmax(dim=1), gen.shape[1])
+    col = torch.arange(gen.shape[1], device=gen.device)[None, :]
+    masked = gen == mask_id
+    finished = has_eos & ~(masked & (col < first[:, None])).any(dim=1)
+    fill = finished[:, None] & masked & (col > first[:, None])
+    return finished, fill
+
+
+@torch.inference_mode()
+def decode(
+    model: DiffusionLM,
+    prompt_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pipeline: Pipeline,
+    config: GenerationConfig,
+) -> tuple[torch.Tensor, RunStats]:
+    """Generate for left-padded ``prompt_ids [B, P]`` with ``attention_mask [B, P]``.
+
+    Returns tokens ``[B, P + gen_length]`` and :class:`RunStats`. Each sequence finishes on its own (see
+    :class:`GenerationConfig.stop_at_eos`); finished sequences are dropped from the working batch at the next block
+    boundary and frozen (no compute counted) until then.
+    """
+    spec = model.spec
+    device = prompt_ids.device
+    B, P = prompt_ids.shape
+    G = config.gen_length
+    x = torch.full((B, P + G), spec.mask_id, dtype=torch.long, device=device)
+    x[:, :P] = prompt_ids
+    full_mask = torch.cat([attention_mask.bool(), torch.ones(B, G, dtype=torch.bool, device=device)], dim=1)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    refresh, commit = pipeline.refresh, pipeline.commit
+    cache = model.new_cache(full_mask, store_hidden=refresh.needs_hidden)
+    state = DecodeState(
+        x=x, active=torch.ones(B, dtype=torch.bool, device=device), config=config, mask_id=spec.mask_id,
+        eos_id=spec.eos_id, prompt_len=P, logit_shift=spec.logit_shift, n_layers=spec.n_layers, generator=generator,
+    )
+    result = x.clone()
+    rows = torch.arange(B, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    nfe = torch.zeros(B, dtype=torch.long, device=device)
+    evals = torch.zeros(B, dtype=torch.long, device=device)
+    calls = 0
+    bl = config.block_length
+    start_time = time.perf_counter()
+    for block in range(config.num_blocks):
+        if bool(finished.any()):
+            result[rows[finished]] = state.x[finished]
+            keep = (~finished).nonzero().squeeze(1)
+            rows, finished = rows[keep], finished[keep]
+            state.select_rows(keep)
+            cache.select_rows(keep)
+            if rows.numel() == 0:
+                break
+        state.block_index, state.block_start, state.block_end = block, P + block * bl, P + (block + 1) * bl
+        state.step = 0
+        state.active = ~finished
+        state.num_transfer = transfer_counts(state.block_masked(), config.steps_per_block)
+        state.active = ~finished & state.block_masked().any(dim=1)
+        while bool(state.active.any()):
+            plan = refresh.plan(state, cache)
+            out = model.run_plan(state.x, cache, plan, refresh.probe(state, plan))
+            refresh.observe(state, plan, out, cache)
+            logits = model.head(out.hidden[:, plan.target_offset : plan.target_offset + bl])
+            masked = state.block_masked()
+            pred = predict(logits, masked, config.temperature, generator, spec.mask_id)
+            transfer = commit.select(pred, masked, state) & masked
+            stalled = masked.any(dim=1) & ~transfer.any(dim=1)
+            best = torch.zeros_like(masked).scatter_(1, pred.confidence.argmax(dim=1, keepdim=True), True)
+            transfer |= stalled[:, None] & best & masked
+            block_x = state.x[:, state.block_start : state.block_end]
+            state.x[:, state.block_start : state.block_end] = torch.where(transfer, pred.tokens, block_x)
+            layers_valid = plan.valid.sum(dim=-1)
+            evals[rows] += layers_valid.sum(dim=0) if plan.per_layer else layers_valid * spec.n_layers
+            nfe[rows] += state.active.long()
+            calls += 1
+            if config.stop_at_eos:
+                done, fill = eos_finished(state.x[:, P:], spec.mask_id, spec.eos_id)
+                state.x[:, P:] = state.x[:, P:].masked_fill(fill, spec.eos_id)
+                finished |= done
+            state.step += 1
+            state.global_step += 1
+            state.active = ~finished & state.block_masked().any(dim=1)
+    result[rows] = state.x
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start_time
+    gen = result[:, P:]
+    tokens = ((gen != spec.eos_id) & (gen != spec.mask_id)).sum(dim=1)
+    seqs = tuple(
+        SequenceStats(int(n), int(t), int(e)) for n, t, e in zip(nfe.tolist(), tokens.tolist(), evals.tolist())
+    )
+    stats = RunStats(calls, int(tokens.sum()), wall, int(evals.sum()), seqs)
+    return result, stats

@@ -1,0 +1,105 @@
+"""Named policies: compositions of stages with their options, and their assembly into a pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from . import registry
+from .registry import UnknownNameError
+
+# stage kinds a policy composes, in the order they are assembled
+POLICY_KINDS = ("refresh", "commit")
+
+
+@attrs.frozen
+class PolicySpec:
+    """A named composition: which stage of each kind, with which options, plus a one-line description."""
+
+    name: str
+    stages: dict[str, str]
+    options: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    description: str = ""
+
+
+_POLICIES: dict[str, PolicySpec] = {}
+
+
+def register_policy(spec: PolicySpec) -> PolicySpec:
+    for kind in spec.stages:
+        if kind not in registry.KINDS:
+            raise ValueError(f"policy {spec.name!r}: unknown stage kind {kind!r}")
+    _POLICIES[spec.name] = spec
+    return spec
+
+
+def policy_names() -> list[str]:
+    registry._ensure_loaded()
+    return sorted(_POLICIES)
+
+
+def get_policy(name: str) -> PolicySpec:
+    names = policy_names()
+    if name not in _POLICIES:
+        raise UnknownNameError(f"unknown policy {name!r}; registered policies: {', '.join(names)}")
+    return _POLICIES[name]
+
+
+@attrs.frozen
+class Pipeline:
+    """The assembled stages of one policy: ``stages[kind]`` is a stage instance."""
+
+    policy: str
+    stages: dict[str, Any]
+
+    @property
+    def refresh(self):
+        return self.stages["refresh"]
+
+    @property
+    def commit(self):
+        return self.stages["commit"]
+
+    def describe(self) -> dict[str, Any]:
+        return {kind: {"name": st.name, **attrs.asdict(st.config)} for kind, st in self.stages.items()}
+
+
+def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
+    """Build the stages of ``policy`` with ``overrides``.
+
+    An override whose key is a stage kind (``refresh=elastic``) swaps that stage; ``kind.option=value`` sets an
+    option of one stage; a bare ``option=value`` sets that option on every stage that has it. Options no stage has
+    are an error that lists the valid ones.
+    """
+    spec = get_policy(policy)
+    overrides = dict(overrides or {})
+    chosen = dict(spec.stages)
+    for kind in registry.KINDS:
+        if kind in overrides:
+            chosen[kind] = str(overrides.pop(kind))
+    options: dict[str, dict[str, Any]] = {
+        kind: dict(spec.options.get(kind, {})) if chosen[kind] == spec.stages.get(kind) else {} for kind in chosen
+    }
+    fields = {kind: registry.config_fields(kind, name) for kind, name in chosen.items()}
+    for key, value in overrides.items():
+        optional = key.endswith("?")  # a generic option that stages without it ignore
+        key = key.rstrip("?")
+        if "." in key:
+            kind, opt = key.split(".", 1)
+            if kind not in fields or opt not in fields[kind]:
+                raise ValueError(_unknown_option(key, fields))
+            options[kind][opt] = value
+            continue
+        targets = [kind for kind in fields if key in fields[kind]]
+        if not targets and not optional:
+            raise ValueError(_unknown_option(key, fields))
+        for kind in targets:
+            options[kind][key] = value
+    stages = {kind: registry.build(kind, name, **options[kind]) for kind, name in chosen.items()}
+    return Pipeline(policy, stages)
+
+
+def _unknown_option(key: str, fields: dict[str, dict[str, Any]]) -> str:
+    valid = sorted({opt for f in fields.values() for opt in f} | {f"{k}.{o}" for k, f in fields.items() for o in f})
+    return f"unknown option {key!r} for this policy; valid options: {', '.join(valid) or 'none'} (or a stage kind: {', '.join(registry.KINDS)})"

@@ -1,0 +1,100 @@
+"""Commit rules of LLaDA (fixed count per step) and Fast-dLLM (confidence threshold, confidence factor)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from attrs import validators as v
+
+from polestar.registry import register
+from polestar.stages import CommitRule
+from polestar.state import DecodeState, Prediction
+
+
+def rank_descending(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of every entry within its row, 0 = largest. ``scores [B, n]`` → long ``[B, n]``."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    return order.argsort(dim=-1)
+
+
+def transfer_counts(masked: torch.Tensor, steps: int) -> torch.Tensor:
+    """LLaDA's schedule: masked count of each row spread over ``steps`` steps, remainder first.
+
+    ``masked [B, bl]`` bool → long ``[B, steps]`` summing to each row's masked count.
+    """
+    total = masked.sum(dim=1, keepdim=True)
+    base, rem = total // steps, total % steps
+    step_idx = torch.arange(steps, device=masked.device)
+    return base + (step_idx[None, :] < rem).long()
+
+
+def _low_confidence(pred: Prediction, state: DecodeState) -> torch.Tensor:
+    return pred.confidence
+
+
+def _random(pred: Prediction, state: DecodeState) -> torch.Tensor:
+    scores = torch.rand(pred.confidence.shape, generator=state.generator, device="cpu", dtype=torch.float32)
+    return scores.to(pred.confidence.device, torch.float64)
+
+
+_REMASKING = {"low_confidence": _low_confidence, "random": _random}
+
+
+@register("commit", "topk")
+class TopKCommit(CommitRule):
+    """LLaDA's fixed-count rule: step ``i`` of a block commits ``num_transfer[i]`` tokens, LLaDA's even split of the
+    block's masks over ``steps // num_blocks`` steps, choosing the most confident (``low_confidence`` remasking) or
+    random ones (``random``). Source: Nie et al. 2025, ``generate.py``. Shapes: scores ``[B, bl]``."""
+
+    @attrs.frozen
+    class Config:
+        remasking: str = attrs.field(default="low_confidence", validator=v.in_(tuple(_REMASKING)))
+
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        scores = _REMASKING[self.config.remasking](pred, state).masked_fill(~masked, float("-inf"))
+        steps = state.num_transfer.shape[1]
+        k = state.num_transfer[:, min(state.step, steps - 1)]
+        return rank_descending(scores) < k[:, None]
+
+
+def _threshold_validator(_inst, attribute, value):
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
+
+
+@register("commit", "threshold")
+class ThresholdCommit(CommitRule):
+    """Fast-dLLM's parallel rule: commit every masked token whose confidence ≥ ``threshold``, and always the most
+    confident one. Source: Wu et al. 2025 (Fast-dLLM), ``get_transfer_index``. Shapes: ``[B, bl]``."""
+
+    @attrs.frozen
+    class Config:
+        threshold: float = attrs.field(default=0.9, converter=float, validator=_threshold_validator)
+
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        conf = pred.confidence.masked_fill(~masked, float("-inf"))
+        top = torch.zeros_like(masked).scatter_(1, conf.argmax(dim=1, keepdim=True), True)
+        return masked & ((conf >= self.config.threshold) | top)
+
+
+@register("commit", "factor")
+class FactorCommit(CommitRule):
+    """Fast-dLLM's factor rule: sort masked confidences ``c_1 ≥ c_2 ≥ …`` and commit the ``n`` most confident while
+    ``c_n ≥ 1 - factor / (n + 1)`` (the first always). Reproduces the reference's edge case: when the first
+    failing rank is the last masked token, that token is committed as well. Shapes: ``[B, bl]``."""
+
+    @attrs.frozen
+    class Config:
+        factor: float = attrs.field(default=1.0, converter=float, validator=[v.gt(0.0), v.le(100.0)])
+
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        conf = pred.confidence.masked_fill(~masked, float("-inf"))
+        n_masked = masked.sum(dim=1)
+        ordered = conf.sort(dim=1, descending=True).values
+        rank = torch.arange(conf.shape[1], device=conf.device)
+        bound = 1.0 - self.config.factor / (rank + 2.0)
+        bound[0] = -1.0
+        fails = (ordered < bound) & (rank[None, :] < n_masked[:, None])
+        first_fail = torch.where(fails.any(dim=1), fails.long().argmax(dim=1), n_masked - 1)
+        count = first_fail + ((first_fail == 0) | (first_fail == n_masked - 1)).long()
+        return masked & (rank_descending(conf) < count[:, None])

@@ -1,0 +1,145 @@
+"""Backbones against a naive per-layer forward; plan execution equivalences; strict HF-format loading."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from polestar.models.loading import load_model, save_model
+from polestar.models.plan import full_plan, span_plan
+from tests.conftest import make_model
+from tests.reference import naive_logits
+
+
+def test_full_forward_matches_naive(model):
+    ids = torch.randint(0, 38, (2, 17))
+    torch.testing.assert_close(model(ids), naive_logits(model, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("over", [dict(qkv_bias=True), dict(tie_embeddings=True), dict(n_kv_heads=1)])
+def test_llada_variants_match_naive(over):
+    m = make_model("llada", **over)
+    ids = torch.randint(0, 38, (1, 11))
+    torch.testing.assert_close(m(ids), naive_logits(m, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_dream_logits_are_shifted():
+    m = make_model("dream")
+    ids = torch.randint(0, 38, (1, 9))
+    full = m(ids)
+    cache = m.new_cache(torch.ones(1, 9, dtype=torch.bool))
+    h = m.run_plan(ids, cache, full_plan(1, 9, "cpu")).hidden
+    raw = m.head(h)
+    torch.testing.assert_close(full[:, 1:], raw[:, :-1])
+    torch.testing.assert_close(full[:, 0], raw[:, 0])
+
+
+def test_all_position_plan_equals_forward(model):
+    ids = torch.randint(0, 38, (2, 13))
+    cache = model.new_cache(torch.ones(2, 13, dtype=torch.bool), store_hidden=True)
+    out = model.run_plan(ids, cache, full_plan(2, 13, "cpu"))
+    raw = model.head(out.hidden)
+    ref = model(ids)
+    if model.spec.logit_shift:
+        raw = torch.cat([raw[:, :1], raw[:, :-1]], 1)
+    torch.testing.assert_close(raw, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_block_plan_on_fresh_cache_equals_full_forward(model):
+    ids = torch.randint(0, 38, (2, 20))
+    cache = model.new_cache(torch.ones(2, 20, dtype=torch.bool))
+    model.run_plan(ids, cache, full_plan(2, 20, "cpu"))
+    h = model.run_plan(ids, cache, span_plan(2, 8, 16, "cpu")).hidden
+    raw = model.head(h)
+    cache2 = model.new_cache(torch.ones(2, 20, dtype=torch.bool))
+    ref = model.head(model.run_plan(ids, cache2, full_plan(2, 20, "cpu")).hidden)
+    torch.testing.assert_close(raw, ref[:, 8:16], atol=1e-5, rtol=1e-5)
+
+
+def test_per_layer_plan_with_identical_layers_equals_uniform(model):
+    ids = torch.randint(0, 38, (1, 12))
+    L = model.spec.n_layers
+    c1 = model.new_cache(torch.ones(1, 12, dtype=torch.bool), store_hidden=True)
+    c2 = model.new_cache(torch.ones(1, 12, dtype=torch.bool), store_hidden=True)
+    model.run_plan(ids, c1, full_plan(1, 12, "cpu"))
+    model.run_plan(ids, c2, full_plan(1, 12, "cpu"))
+    uni = span_plan(1, 4, 9, "cpu")
+    per = uni._replace(index=uni.index.expand(L, 1, 5), valid=uni.valid.expand(L, 1, 5))
+    a = model.run_plan(ids, c1, uni).hidden
+    b = model.run_plan(ids, c2, per).hidden
+    torch.testing.assert_close(a, b)
+
+
+def test_attention_probe_rows_sum_to_one_and_ignore_padding(model):
+    ids = torch.randint(0, 38, (2, 10))
+    am = torch.ones(2, 10, dtype=torch.bool)
+    am[1, :3] = False
+    cache = model.new_cache(am)
+    from polestar.models.backbone import AttentionProbe
+
+    out = model.run_plan(ids, cache, full_plan(2, 10, "cpu"), AttentionProbe(1, torch.tensor([[0, 5], [4, 9]])))
+    probs = out.probe
+    assert probs.shape == (2, model.spec.n_heads, 2, 11)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, model.spec.n_heads, 2))
+    assert probs[1, :, :, :3].abs().max() == 0 and probs[..., -1].abs().max() == 0
+    proxy = model.proxy_attention(1, torch.randn(2, 3, model.spec.d_model), cache)
+    torch.testing.assert_close(proxy.sum(-1), torch.ones(2, model.spec.n_heads, 3))
+
+
+@pytest.mark.parametrize("shard", [None, 4])
+def test_checkpoint_round_trip(model, tmp_path, shard):
+    save_model(model, tmp_path, shard_size=shard)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] in ("llada", "Dream")
+    loaded = load_model(tmp_path)
+    ids = torch.randint(0, 38, (1, 9))
+    torch.testing.assert_close(loaded(ids), model(ids))
+    names = set(load_file(tmp_path / "model.safetensors")) if shard is None else set(
+        json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+    prefix = "model.transformer.blocks.0." if model.spec.family == "llada" else "model.layers.0.self_attn."
+    assert any(n.startswith(prefix) for n in names)
+
+
+def test_loading_errors_name_the_tensor(tmp_path):
+    m = make_model("llada")
+    save_model(m, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    bad = dict(state)
+    del bad["model.transformer.blocks.1.q_proj.weight"]
+    bad["model.transformer.extra.weight"] = torch.zeros(2)
+    bad["model.transformer.ln_f.weight"] = torch.zeros(5)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError) as err:
+        load_model(tmp_path)
+    msg = str(err.value)
+    assert "blocks.1.q_proj.weight" in msg and "transformer.extra.weight" in msg and "ln_f.weight has shape (5,)" in msg
+
+
+def test_loading_bad_paths_and_configs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llada", "d_model": 8, "n_heads": 2, "n_layers": 1,
+                                                      "vocab_size": 10, "block_type": "sequential"}))
+    with pytest.raises(ValueError, match="block_type"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llada", "d_model": 8, "n_heads": 2, "n_layers": 1,
+                                                      "vocab_size": 10, "mask_token_id": 9}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="pickled"):
+        load_model(tmp_path)
+
+
+def test_dtype_option(tmp_path):
+    m = make_model("dream")
+    save_model(m, tmp_path)
+    bf = load_model(tmp_path, dtype="bf16")
+    assert bf.dtype == torch.bfloat16
+    ids = torch.randint(0, 38, (1, 8))
+    assert bf(ids).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="not supported"):
+        load_model(tmp_path, dtype="int8")
