@@ -7,12 +7,12 @@ import time
 import torch
 
 from polestar.models.backbone import DiffusionLM
+from polestar.policies.commit_basic import transfer_counts
 
 from .config import GenerationConfig
 from .policy import Pipeline
 from .state import DecodeState, Prediction
 from .stats import RunStats, SequenceStats
-from polestar.policies.commit_basic import transfer_counts
 
 
 def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, generator: torch.Generator, mask_id: int) -> Prediction:

@@ -6,6 +6,7 @@ import random
 import re
 
 import pytest
+
 from polestar.bench.tasks import (
     MAX_INPUT_CHARS,
     MAX_OUTPUT_CHARS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from polestar.bench.tasks import get_task, split, task_names
 from polestar.models.tokenizer import (
     BASE_CHARS,

@@ -1,0 +1,181 @@
+"""Accuracy / throughput harness behind ``polestar bench``: same problems, same counters, every policy."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import polestar
+from polestar.bench.tasks import get_task
+from polestar.bench.tasks.base import Problem, split
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (well behaved at 0 and n)."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = correct / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0) -> list[Problem]:
+    """``n`` test problems of ``task_name`` (generated), or the first ``n`` records of a JSONL ``data`` file with
+    ``{"input": ..., "output": ...}`` (Dream's Countdown / Sudoku evaluation layout)."""
+    if data is None:
+        return split(get_task(task_name), n, "test", seed)
+    path = Path(data)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data file {data} does not exist")
+    problems = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "input" not in rec:
+            raise ValueError(f"{data}:{lineno}: record has no 'input' field")
+        problems.append(Problem(task_name, str(rec["input"]), str(rec.get("output", ""))))
+        if len(problems) >= n:
+            break
+    return problems
+
+
+def run_policy(model, task, problems: list[Problem], policy: str, options: dict[str, Any], decoding: dict[str, Any],
+               batch_size: int = 1, progress=None) -> tuple[list[dict], dict]:
+    """Decode every problem with ``policy``; return per-item records and a summary."""
+    items = []
+    tokens = seq_nfe = evals = 0
+    wall = 0.0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompts = [task.format_prompt(p.input) for p in chunk]
+        out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
+        for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
+            items.append({
+                "policy": policy, "input": prob.input, "generation": text,
+                "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe,
+            })
+        tokens += out.stats.tokens
+        seq_nfe += sum(s.nfe for s in out.stats.sequences)
+        evals += out.stats.token_layer_evals
+        wall += out.stats.wall_s
+        if progress is not None:
+            progress.update(len(chunk))
+    correct = sum(i["correct"] for i in items)
+    lo, hi = wilson_interval(correct, len(items))
+    summary = {
+        "accuracy": correct / max(len(items), 1),
+        "accuracy_ci95": [lo, hi],
+        "tpf": tokens / max(seq_nfe, 1),
+        "tps": tokens / wall if wall > 0 else 0.0,
+        "nfe": seq_nfe / max(len(items), 1),
+        "token_layer_evals_per_token": evals / max(tokens, 1),
+        "n": len(items),
+        "wall_s": wall,
+    }
+    return items, summary
+
+
+def format_table(summary: dict[str, dict], title: str) -> str:
+    head = f"{'policy':18s} {'accuracy':>9s} {'95% CI':>15s} {'TPF':>6s} {'TPS':>8s} {'evals/tok':>10s} {'NFE':>7s}"
+    lines = [title, head, "-" * len(head)]
+    for name, s in summary.items():
+        lo, hi = s["accuracy_ci95"]
+        lines.append(
+            f"{name:18s} {100 * s['accuracy']:8.1f}% [{100 * lo:5.1f},{100 * hi:5.1f}] {s['tpf']:6.2f} "
+            f"{s['tps']:8.1f} {s['token_layer_evals_per_token']:10.1f} {s['nfe']:7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
+    """Accuracy against TPF, one point per policy, the Pareto front joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    pts = sorted((s["tpf"], 100 * s["accuracy"], name) for name, s in summary.items())
+    for tpf, acc, name in pts:
+        ax.scatter(tpf, acc)
+        ax.annotate(name, (tpf, acc), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    front, best = [], -1.0
+    for tpf, acc, _ in sorted(pts, key=lambda t: -t[0]):
+        if acc > best:
+            front.append((tpf, acc))
+            best = acc
+    if len(front) > 1:
+        xs, ys = zip(*sorted(front))
+        ax.plot(xs, ys, "--", alpha=0.5)
+    ax.set_xlabel("tokens per forward (TPF)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_bench(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
+              decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str = "float32",
+              device: str = "cpu", show_progress: bool = True) -> dict:
+    """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}}}``."""
+    task = get_task(task_name)
+    for name in policies:  # fail on a bad policy or option before any decoding
+        polestar.assemble(name, {k + "?": v for k, v in options.items()})
+    for key, value in options.items():
+        if not any(_accepts(name, key, value) for name in policies):
+            polestar.assemble(policies[0], {key: value})  # raises the error listing the valid options
+    model = polestar.load(model_name, dtype=dtype, device=device)
+    problems = load_problems(task_name, n, data)
+    items, summary = [], {}
+    bar = _progress(len(problems) * len(policies), show_progress)
+    for name in policies:
+        opts = {k + "?": v for k, v in options.items()}
+        its, summ = run_policy(model, task, problems, name, opts, decoding, batch_size, bar)
+        items += its
+        summary[name] = summ
+    if bar is not None:
+        bar.close()
+    return {
+        "model": model_name, "task": task_name, "n": len(problems), "decoding": decoding, "options": options,
+        "items": items, "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _accepts(policy: str, key: str, value: Any) -> bool:
+    try:
+        polestar.assemble(policy, {key: value})
+    except ValueError:
+        return False
+    return True
+
+
+def _progress(total: int, show: bool):
+    if not show:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the bench/test extras
+        return None
+    return tqdm(total=total, desc="bench", unit="problem")
+
+
+def run_bench_cli(args, options: dict[str, Any]) -> int:
+    decoding = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                    temperature=args.temperature, seed=args.seed)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
+                       args.dtype, args.device)
+    title = f"{args.model} / {args.task} / n={result['n']} / gen {args.gen_length} block {args.block_length}"
+    print(format_table(result["summary"], title))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        pareto_plot(result["summary"], args.plot, title)
+    return 0
