@@ -85,11 +85,23 @@ def _check_assign_args(x: Tensor, centroids: Tensor) -> None:
         raise ValueError(f"x {tuple(x.shape)} and centroids {tuple(centroids.shape)} disagree on G or D")
 
 
+def _cosine_scores(x: Tensor, centroids: Tensor) -> Tensor:
+    """``<x_n, c_k / |c_k|>`` in fp64: ``[G, N, D], [G, k, D] -> [G, N, k]``.
+
+    One element-wise product and row sum per cluster (not a matmul): identical centroids then get
+    bit-identical scores, so exact ties really are ties and resolve to the lowest index.
+    """
+    x64 = x.double()
+    c_hat = _unit_centroids(centroids)
+    return torch.stack([(x64 * c_hat[:, j, None, :]).sum(-1) for j in range(c_hat.shape[1])], dim=-1)
+
+
 def reference_kmeans_assign(x: Tensor, centroids: Tensor, valid: Tensor | None = None) -> Tensor:
     """Cosine-similarity assignment of points to centroids (torch reference).
 
     Method: spherical k-means assignment step (Polestar-Cache clustering): label =
-    ``argmax_k <x_n, c_k / |c_k|>`` computed in fp64, first (lowest) index on ties.
+    ``argmax_k <x_n, c_k / |c_k|>`` computed in fp64, first (lowest) index on ties.  Scores are
+    computed cluster by cluster (a Python loop over ``k``, not over groups).
 
     Args:
         x: ``[G, N, D]`` points (any float dtype).
@@ -100,8 +112,7 @@ def reference_kmeans_assign(x: Tensor, centroids: Tensor, valid: Tensor | None =
         ``[G, N]`` int64 labels.
     """
     _check_assign_args(x, centroids)
-    scores = torch.bmm(x.double(), _unit_centroids(centroids).transpose(1, 2))  # [G, N, k]
-    return _mask_invalid(scores.argmax(dim=-1), valid)
+    return _mask_invalid(_cosine_scores(x, centroids).argmax(dim=-1), valid)
 
 
 def kmeans_assign_triton(x: Tensor, centroids: Tensor, valid: Tensor | None = None) -> Tensor:

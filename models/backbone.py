@@ -116,12 +116,17 @@ class DiffusionLM(nn.Module):
         cache: DecodeCache,
         plan: Plan,
         probe: AttentionProbe | None = None,
+        hook=None,
     ) -> PlanOutput:
         """Execute ``plan`` for the tokens ``ids [B, T]``, updating ``cache`` in place.
 
         Layer ``l`` takes the input hidden states of its slots (fresh from layer ``l-1`` when the slots are the
         same; otherwise the stored layer input, into which layer ``l-1``'s outputs were written first), writes
         their K/V (and stored input) into the cache, attends over every valid cached key, and applies the MLP.
+
+        ``hook`` (optional, a sparse-refresh controller) is called at each layer with
+        ``before_attention(layer, h, index)`` after the slots' K/V are written and before any query attends (it may
+        write more K/V), and ``after_layer(layer)`` once the layer's slots are done (it may recompute more rows).
         """
         spec = self.spec
         trash = cache.trash
@@ -143,39 +148,72 @@ class DiffusionLM(nn.Module):
                 _scatter_rows(cache.hidden[layer], index, h)
             positions = cache.positions.gather(1, index)
             want_probe = probe is not None and probe.layer == layer
-            h, probs = self._layer(layer, h, index, positions, cache, probe.rows if want_probe else None)
+            h, probs = self._layer(layer, h, index, positions, cache, probe.rows if want_probe else None, hook)
             if want_probe:
                 probe_out = probs
+            if hook is not None:
+                hook.after_layer(layer)
             prev_index = index
         return PlanOutput(self.final_norm(h), probe_out)
 
-    def _layer(self, layer, h, index, positions, cache: DecodeCache, probe_rows):
+    def layer_kv(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (after RoPE) and values of inputs ``h [B, X, d]`` at ``positions [B, X]`` → ``[B, Hkv, X, hd]`` each."""
         spec = self.spec
         parts = self.layer_parts(layer)
-        B, C, _ = h.shape
+        B, X, _ = h.shape
         x = parts.attn_norm(h)
-        q = parts.q(x).view(B, C, spec.n_heads, spec.head_dim).transpose(1, 2)
-        k = parts.k(x).view(B, C, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        v = parts.v(x).view(B, C, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        k = parts.k(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        v = parts.v(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
         cos, sin = self.rotary.cos_sin(positions)
-        q = Rotary.apply(q, cos, sin)
-        k = Rotary.apply(k, cos, sin)
-        slot = index[:, None, :, None].expand(-1, spec.n_kv_heads, -1, spec.head_dim)
+        return Rotary.apply(k, cos, sin), v
+
+    def write_kv(self, cache: DecodeCache, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v [B, Hkv, X, hd]`` into layer ``layer`` of ``cache`` at positions ``index [B, X]``
+        (unused slots must point at the trash slot)."""
+        slot = index[:, None, :, None].expand(-1, self.spec.n_kv_heads, -1, self.spec.head_dim)
         cache.k[layer].scatter_(2, slot, k)
         cache.v[layer].scatter_(2, slot, v)
+
+    def layer_rows(
+        self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: DecodeCache, probe_rows=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Queries of ``h [B, X, d]`` at ``positions [B, X]`` attend over layer ``layer``'s cached K/V, then the MLP:
+        the layer's output ``[B, X, d]`` for those rows (their own K/V are not written)."""
+        spec = self.spec
+        parts = self.layer_parts(layer)
+        B, X, _ = h.shape
+        x = parts.attn_norm(h)
+        q = parts.q(x).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
+        cos, sin = self.rotary.cos_sin(positions)
+        q = Rotary.apply(q, cos, sin)
         keys, values = cache.k[layer], cache.v[layer]
-        mask = cache.key_valid[:, None, None, :]
         att = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=spec.n_kv_heads != spec.n_heads
+            q, keys, values, attn_mask=cache.key_valid[:, None, None, :], enable_gqa=spec.n_kv_heads != spec.n_heads
         )
         probs = None
         if probe_rows is not None:
             rows = probe_rows[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
             probs = self.attention_probs(q.gather(2, rows), keys, cache.key_valid)
-        h = h + parts.o(att.transpose(1, 2).reshape(B, C, spec.d_model))
+        h = h + parts.o(att.transpose(1, 2).reshape(B, X, spec.d_model))
         y = parts.mlp_norm(h)
-        h = h + parts.down(F.silu(parts.gate(y)) * parts.up(y))
-        return h, probs
+        return h + parts.down(F.silu(parts.gate(y)) * parts.up(y)), probs
+
+    def _layer(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook=None):
+        k, v = self.layer_kv(layer, h, positions)
+        self.write_kv(cache, layer, index, k, v)
+        if hook is not None:
+            hook.before_attention(layer, h, index)
+        return self.layer_rows(layer, h, positions, cache, probe_rows)
+
+    def query_probs(self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+        """Attention probabilities ``[B, H, X, T+1]`` of inputs ``h [B, X, d]`` at ``positions`` over layer
+        ``layer``'s cached keys (nothing written)."""
+        spec = self.spec
+        parts = self.layer_parts(layer)
+        B, X, _ = h.shape
+        q = parts.q(parts.attn_norm(h)).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
+        cos, sin = self.rotary.cos_sin(positions)
+        return self.attention_probs(Rotary.apply(q, cos, sin), cache.k[layer], cache.key_valid)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """Softmax attention of queries ``[B, H, R, hd]`` over cached keys ``[B, Hkv, T+1, hd]`` → fp32

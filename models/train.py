@@ -339,7 +339,7 @@ def train(args: argparse.Namespace) -> dict:
         eval_s = time.time() - te
         log({"event": "final_eval", "n": args.final_n, "acc": final, "time_s": round(eval_s, 1), **EVAL_DECODE})
         print("final accuracy (n=%d): %s" % (args.final_n, json.dumps(final)), flush=True)
-    summary = {"steps": step, "train_time_s": train_time, "final_eval_time_s": eval_s, "params": params,
+    summary = {"model": model, "steps": step, "train_time_s": train_time, "final_eval_time_s": eval_s, "params": params,
                "final_acc": final, "loss_ema": ema, "history": history}
     write_model_card(out, args, model, summary)
     log_f.close()

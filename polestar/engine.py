@@ -102,7 +102,8 @@ def decode(
         state.active = ~finished & state.block_masked().any(dim=1)
         while bool(state.active.any()):
             plan = refresh.plan(state, cache)
-            out = model.run_plan(state.x, cache, plan, refresh.probe(state, plan))
+            hook = refresh.hook(state, plan, cache, model)
+            out = model.run_plan(state.x, cache, plan, refresh.probe(state, plan), hook)
             refresh.observe(state, plan, out, cache)
             logits = model.head(out.hidden[:, plan.target_offset : plan.target_offset + bl])
             masked = state.block_masked()
@@ -111,10 +112,13 @@ def decode(
             stalled = masked.any(dim=1) & ~transfer.any(dim=1)
             best = torch.zeros_like(masked).scatter_(1, pred.confidence.argmax(dim=1, keepdim=True), True)
             transfer |= stalled[:, None] & best & masked
+            state.extras["last_commits"] = transfer.sum(dim=1)
             block_x = state.x[:, state.block_start : state.block_end]
             state.x[:, state.block_start : state.block_end] = torch.where(transfer, pred.tokens, block_x)
             layers_valid = plan.valid.sum(dim=-1)
             evals[rows] += layers_valid.sum(dim=0) if plan.per_layer else layers_valid * spec.n_layers
+            if hook is not None:
+                evals[rows] += hook.evals
             nfe[rows] += state.active.long()
             calls += 1
             if config.stop_at_eos:

@@ -97,6 +97,8 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
         for kind in targets:
             options[kind][key] = value
     stages = {kind: registry.build(kind, name, **options[kind]) for kind, name in chosen.items()}
+    for stage in stages.values():
+        stage.bind(stages)
     return Pipeline(policy, stages)
 
 

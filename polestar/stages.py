@@ -20,6 +20,9 @@ class Stage:
     def __init__(self, config):
         self.config = config
 
+    def bind(self, stages: dict) -> None:
+        """Called once the pipeline is assembled with every stage by kind (for stages that compose others)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
 
@@ -34,6 +37,12 @@ class RefreshSelector(Stage):
 
     def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model):
+        """A per-layer controller for this step's forward (sparse updates), or None. It exposes
+        ``before_attention(layer, h, index)``, ``after_layer(layer)`` and ``evals`` (``[B]`` extra positions
+        computed)."""
+        return None
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:
         """Attention rows this selector wants from the forward (default: none)."""

@@ -76,7 +76,7 @@ class DecodeState:
 def _select(value, rows):
     """Batch-row selection through nested containers; per-stage extras keep the batch as dim 0."""
     if isinstance(value, torch.Tensor):
-        return value.index_select(0, rows)
+        return value.index_select(0, rows) if value.dim() > 0 else value
     if isinstance(value, dict):
         return {k: _select(v, rows) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -2,7 +2,7 @@
 
 from polestar.policy import PolicySpec, register_policy
 
-from . import commit_basic, refresh_basic  # noqa: F401  (registration side effects)
+from . import cluster, commit_basic, drift, offload, quant, refresh_adaptive, refresh_basic, refresh_polestar  # noqa: F401  (registration)
 
 register_policy(PolicySpec(
     "baseline", {"refresh": "full", "commit": "topk"},
@@ -19,4 +19,18 @@ register_policy(PolicySpec(
 register_policy(PolicySpec(
     "fast-dllm", {"refresh": "dual", "commit": "threshold"},
     description="Fast-dLLM dual cache (prefix and suffix K/V reused inside a block) + threshold commit",
+))
+
+_DRIFT_STAGES = {"drift": "kl", "cluster": "kmeans", "quant": "nvfp4", "offload": "none"}
+register_policy(PolicySpec(
+    "polestar-cache", {"refresh": "polestar", "commit": "threshold", **_DRIFT_STAGES},
+    description="Polestar-Cache: dual cache + drift-aware sparse updates of the local window, threshold commit",
+))
+register_policy(PolicySpec(
+    "elastic-cache", {"refresh": "elastic", "commit": "threshold"},
+    description="Elastic-Cache: dual cache, recompute from the layer where tracked attention drifts past gamma",
+))
+register_policy(PolicySpec(
+    "dllm-cache", {"refresh": "dllm-cache", "commit": "threshold"},
+    description="dLLM-Cache: interval prompt/response refresh + value-change-driven partial updates",
 ))

@@ -1,0 +1,50 @@
+"""Clusterers (kind ``cluster``): group the window's hidden states so one proxy query stands for many tokens.
+
+``cluster(x [G, N, D], k, valid [G, N], generator) → (centroids [G, k, D], labels [G, N] (-1 invalid),
+counts [G, k])``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from polestar.kernels.kmeans import chunk_clusters, spherical_kmeans
+from polestar.registry import register
+from polestar.stages import Stage
+
+
+class Clusterer(Stage):
+    def cluster(self, x, k, valid, generator):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@register("cluster", "kmeans")
+class SphericalKMeans(Clusterer):
+    """Spherical k-means (cosine assignment, mean centroids, ``iters`` iterations, empty clusters reseeded),
+    seeded through a ``torch.Generator`` (Polestar, Lee et al. 2026). Shapes as in the module docstring."""
+
+    @attrs.frozen
+    class Config:
+        iters: int = attrs.field(default=5, validator=attrs.validators.ge(1))
+
+    def cluster(self, x, k, valid, generator):
+        return spherical_kmeans(x, k, self.config.iters, generator=generator, valid=valid)
+
+
+@register("cluster", "chunks")
+class ChunkClusters(Clusterer):
+    """Ablation: ``k`` contiguous equal groups of positions, centroid = mean of the valid members."""
+
+    @attrs.frozen
+    class Config:
+        pass
+
+    def cluster(self, x, k, valid, generator):
+        G, N, _ = x.shape
+        labels = chunk_clusters(N, k, device=x.device).expand(G, N)
+        labels = torch.where(valid, labels, -1)
+        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k).to(x.dtype) * valid[..., None]
+        counts = onehot.sum(1)
+        centroids = torch.einsum("gnk,gnd->gkd", onehot, x) / counts.clamp_min(1)[..., None]
+        return centroids, labels, counts.long()

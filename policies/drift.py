@@ -1,0 +1,72 @@
+"""Drift metrics (kind ``drift``): how far an attention distribution moved between two steps.
+
+Every metric maps ``cur, prev [B, H, R, T]`` (attention probabilities of ``R`` rows over ``T`` keys per head) to
+``[B, R]`` fp32 ≥ 0, 0 for identical inputs. Source: Polestar (Lee et al. 2026) uses KL(current ‖ previous),
+per head then averaged over heads; JS, cosine and uncertainty are the paper's ablations.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from polestar.kernels.drift import cosine_drift, js_drift, kl_drift
+from polestar.registry import register
+from polestar.stages import Stage
+
+
+class DriftMetric(Stage):
+    """Base of drift metrics: ``score(cur, prev) → [B, R]``."""
+
+    def score(self, cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@register("drift", "kl")
+class KLDrift(DriftMetric):
+    """KL(cur ‖ prev) per head, averaged over heads (Polestar's drift). ``[B, H, R, T]`` ×2 → ``[B, R]``."""
+
+    @attrs.frozen
+    class Config:
+        eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
+
+    def score(self, cur, prev):
+        return kl_drift(cur, prev, self.config.eps).mean(dim=1)
+
+
+@register("drift", "js")
+class JSDrift(DriftMetric):
+    """Jensen–Shannon divergence per head, averaged over heads. ``[B, H, R, T]`` ×2 → ``[B, R]``."""
+
+    @attrs.frozen
+    class Config:
+        eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
+
+    def score(self, cur, prev):
+        return js_drift(cur, prev, self.config.eps).mean(dim=1)
+
+
+@register("drift", "cosine")
+class CosineDrift(DriftMetric):
+    """1 − cosine similarity of attention rows per head, averaged over heads. ``[B, H, R, T]`` ×2 → ``[B, R]``."""
+
+    @attrs.frozen
+    class Config:
+        pass
+
+    def score(self, cur, prev):
+        return cosine_drift(cur, prev).mean(dim=1)
+
+
+@register("drift", "uncertainty")
+class UncertaintyDrift(DriftMetric):
+    """Uncertainty ablation: entropy of the current distribution (``prev`` ignored), averaged over heads.
+    ``[B, H, R, T]`` → ``[B, R]``."""
+
+    @attrs.frozen
+    class Config:
+        pass
+
+    def score(self, cur, prev):
+        p = cur.float()
+        return -(p * p.clamp_min(1e-30).log()).sum(-1).clamp_min(0).mean(dim=1)

@@ -1,0 +1,212 @@
+"""Polestar-Cache refresh selector: drift-aware sparse updates of the local window (Lee et al. 2026).
+
+Per block: a full forward (every ``window_refresh_every``-th block only the window) rebuilds K/V, and per layer the
+window's input hidden states are clustered (``cluster`` stage, ``n_clusters`` split between the prefix and suffix
+parts in proportion to their lengths, 5/3 for 2+1 blocks) and stored (``quant`` + ``offload`` stages). Each centroid
+becomes a proxy query (``q_proj(attn_norm(c))``, RoPE at its members' mean position) scored against the layer's
+cached keys; the ``drift`` stage compares this step's proxy distribution with the previous update's. The ``topk``
+most drifting clusters of a layer (``topk_last`` at the last layer) are recomputed through that layer and their
+outputs (the update packet) overwrite their stored inputs and K/V at the next layer; centroids shift by their
+members' change. Updates run when the previous step committed more than ``tau_upd`` tokens or more than
+``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the refreshed
+positions (``state.extras["packet"]``: ``positions [Nw]``, ``valid [B, Nw]``, ``logits [B, Nw, V]``).
+
+Shapes: window ``Nw = (prefix_blocks + suffix_blocks) * block_length`` columns; centroids ``[B, K, d]``; proxy
+distributions ``[B, H, K, T + 1]``; drift ``[B, K]``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from attrs import validators as v
+
+from polestar.models.plan import DecodeCache, Plan, span_plan
+from polestar.registry import register
+from polestar.stages import RefreshSelector
+from polestar.state import DecodeState
+
+from .refresh_basic import block_start_plan
+from .sparse_update import MemberStore, Window, make_window
+
+
+def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
+    """Clusters for the prefix and suffix parts, proportional to their lengths (authors' rule), each ≤ its size."""
+    if n_pre == 0:
+        return 0, min(total, n_post)
+    if n_post == 0:
+        return min(total, n_pre), 0
+    k_pre = min(total - 1, max(1, total * n_pre // (n_pre + n_post)))
+    return min(k_pre, n_pre), min(total - k_pre, n_post)
+
+
+@register("refresh", "polestar")
+class PolestarRefresh(RefreshSelector):
+    """Polestar-Cache (see module docstring). Defaults are the paper's / authors' code values."""
+
+    @attrs.frozen
+    class Config:
+        n_clusters: int = attrs.field(default=8, validator=v.ge(2))
+        topk: int = attrs.field(default=4, validator=v.ge(1))
+        topk_last: int = attrs.field(default=1, validator=v.ge(1))
+        prefix_blocks: int = attrs.field(default=2, validator=v.ge(0))
+        suffix_blocks: int = attrs.field(default=1, validator=v.ge(0))
+        tau_upd: int = attrs.field(default=1, validator=v.ge(0))
+        window_refresh_every: int = attrs.field(default=4, validator=v.ge(0))
+
+    needs_hidden = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.drift = self.clusterer = self.quant = self.offload = None
+        self.packet_logits = False
+        self._window: Window | None = None
+        self._store: MemberStore | None = None
+
+    def bind(self, stages: dict) -> None:
+        missing = [k for k in ("drift", "cluster", "quant", "offload") if k not in stages]
+        if missing:
+            raise ValueError(f"refresh 'polestar' needs stages {missing}; add them to the policy")
+        self.drift, self.clusterer = stages["drift"], stages["cluster"]
+        self.quant, self.offload = stages["quant"], stages["offload"]
+        self.packet_logits = bool(getattr(stages.get("commit"), "wants_packet", False))
+
+    # -- plan -----------------------------------------------------------------------------------------------
+    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
+        if state.step > 0:
+            return span_plan(state.batch_size, state.block_start - state.logit_shift, state.block_end,
+                             state.x.device, state.active)
+        every = self.config.window_refresh_every
+        if every and state.block_index % every == every - 1:
+            bl = state.block_length
+            lo = max(0, state.block_start - state.logit_shift - self.config.prefix_blocks * bl)
+            hi = min(state.length, state.block_end + self.config.suffix_blocks * bl)
+            plan = span_plan(state.batch_size, lo, hi, state.x.device, state.active)
+            return Plan(plan.index, plan.valid, state.block_start - state.logit_shift - lo)
+        return block_start_plan(state)
+
+    def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model):
+        ctx = state.extras.setdefault("polestar", {})
+        if state.step == 0:
+            bl = state.block_length
+            window = make_window(state.block_start, state.block_end, state.logit_shift,
+                                 self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
+            ctx.clear()
+            state.extras.pop("packet", None)
+            ctx["since"] = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
+            self._window = window
+            if window.size == 0:
+                return None
+            self._store = MemberStore(self.quant, self.offload, model.spec.n_layers, state.x.device, model.dtype)
+            plan_start = state.block_start - state.logit_shift - plan.target_offset
+            return _BuildHook(self, state, plan_start, cache, model, ctx)
+        window: Window = self._window
+        if window.size == 0 or "centroids" not in ctx:
+            return None
+        last = state.extras.get("last_commits", torch.zeros_like(ctx["since"]))
+        tau = self.config.tau_upd
+        due = state.active & ((last > tau) | (ctx["since"] + last > tau + 1))
+        ctx["since"] = torch.where(due, 0, ctx["since"] + last)
+        if not bool(due.any()):  # one host read per step, skipping the sparse update entirely when no row is due
+            return None
+        return _UpdateHook(self, state, cache, model, ctx, due)
+
+
+class _BuildHook:
+    """Block start: cluster and store each layer's window inputs; record the proxy distributions."""
+
+    def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, ctx):
+        self.sel, self.state, self.cache, self.model, self.ctx = sel, state, cache, model, ctx
+        window: Window = sel._window
+        self.slots = (window.positions - plan_start)[None, :].expand(state.batch_size, -1)
+        self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
+        n_pre = window.n_prefix
+        self.k_pre, self.k_post = split_clusters(sel.config.n_clusters, n_pre, window.size - n_pre)
+        for key in ("centroids", "labels", "counts", "centroid_pos", "prev"):
+            ctx[key] = []
+
+    def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
+        ctx, sel = self.ctx, self.sel
+        window = sel._window
+        hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
+        n_pre = window.n_prefix
+        parts, offset = [], 0
+        for lo, hi, k in ((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post)):
+            if k == 0:
+                continue
+            c, lab, cnt = sel.clusterer.cluster(hw[:, lo:hi].float(), k, window.valid[:, lo:hi], self.state.generator)
+            parts.append((c, torch.where(lab >= 0, lab + offset, -1), cnt))
+            offset += k
+        centroids = torch.cat([p[0] for p in parts], dim=1).to(h.dtype)
+        labels = torch.cat([p[1] for p in parts], dim=1)
+        counts = torch.cat([p[2] for p in parts], dim=1)
+        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), offset).float() * (labels >= 0)[..., None].float()
+        pos = self.cache.positions.index_select(1, window.positions).float()
+        centroid_pos = (torch.einsum("bnk,bn->bk", onehot, pos) / counts.clamp_min(1)).round().long()
+        anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, h.shape[-1]))
+        sel._store.put(layer, hw, anchor)
+        ctx["centroids"].append(centroids)
+        ctx["labels"].append(labels)
+        ctx["counts"].append(counts)
+        ctx["centroid_pos"].append(centroid_pos)
+        ctx["prev"].append(self.model.proxy_attention(layer, centroids, self.cache, centroid_pos))
+
+    def after_layer(self, layer: int) -> None:
+        pass
+
+
+class _UpdateHook:
+    """Sparse update step: packet K/V at each layer, proxy drift, top-k clusters, member recompute."""
+
+    def __init__(self, sel: PolestarRefresh, state, cache, model, ctx, due: torch.Tensor):
+        self.sel, self.state, self.cache, self.model, self.ctx, self.due = sel, state, cache, model, ctx, due
+        window: Window = sel._window
+        B = state.batch_size
+        self.window = window
+        self.index = window.positions[None, :].expand(B, -1)
+        self.rope_pos = cache.positions.index_select(1, window.positions)
+        self.packet_h = None
+        self.packet_valid = None
+        self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
+
+    def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
+        model, cache, ctx, sel = self.model, self.cache, self.ctx, self.sel
+        trash = cache.trash
+        if self.packet_h is not None:  # the previous layer's packet: new inputs here, re-project their K/V
+            k, v = model.layer_kv(layer, self.packet_h, self.rope_pos)
+            model.write_kv(cache, layer, torch.where(self.packet_valid, self.index, trash), k, v)
+            self.evals += self.packet_valid.sum(-1)
+            old = sel._store.update(layer, self.packet_valid, self.packet_h)
+            labels = ctx["labels"][layer]
+            k_clusters = ctx["centroids"][layer].shape[1]
+            onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype)
+            onehot = onehot * (self.packet_valid & (labels >= 0))[..., None].to(old.dtype)
+            delta = torch.einsum("bnk,bnd->bkd", onehot, self.packet_h.to(old.dtype) - old)
+            counts = ctx["counts"][layer].clamp_min(1)[..., None].to(old.dtype)
+            ctx["centroids"][layer] = ctx["centroids"][layer] + delta / counts
+        cur = model.proxy_attention(layer, ctx["centroids"][layer], cache, ctx["centroid_pos"][layer])
+        drift = sel.drift.score(cur, ctx["prev"][layer])
+        ctx["prev"][layer] = torch.where(self.due[:, None, None, None], cur, ctx["prev"][layer])
+        drift = drift.masked_fill(ctx["counts"][layer] == 0, float("-inf"))
+        n_layers = model.spec.n_layers
+        k = sel.config.topk_last if layer == n_layers - 1 else sel.config.topk
+        k = min(k, drift.shape[1])
+        top = torch.zeros_like(drift, dtype=torch.bool).scatter_(1, drift.topk(k, dim=1).indices, True)
+        labels = ctx["labels"][layer]
+        members = self.window.valid & (labels >= 0) & top.gather(1, labels.clamp_min(0)) & self.due[:, None]
+        if layer == 0:
+            inputs = model.embed(self.state.x.index_select(1, self.window.positions))
+        else:
+            inputs = sel._store.get(layer)
+        out, _ = model.layer_rows(layer, inputs, self.rope_pos, cache)
+        self.evals += members.sum(-1)
+        self.packet_h, self.packet_valid = out, members
+        if layer == n_layers - 1 and sel.packet_logits:
+            self.state.extras["packet"] = {
+                "positions": self.window.positions,
+                "valid": members,
+                "logits": model.head(model.final_norm(out)),
+            }
+
+    def after_layer(self, layer: int) -> None:
+        pass
