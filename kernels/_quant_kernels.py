@@ -12,9 +12,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-E4M3_MIN_NORMAL = 0.015625  # 2**-6
-E4M3_MAX = 448.0
-FP4_MAX = 6.0
+from ._common_kernels import reduce_max
+
+E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6
+E4M3_MAX = tl.constexpr(448.0)
+FP4_MAX = tl.constexpr(6.0)
 
 
 @triton.jit
@@ -85,9 +87,9 @@ def nvfp4_quant_kernel(x_ptr, gs_ptr, packed_ptr, scale_ptr, NB, BLOCK_B: tl.con
     xe = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gs_ptr)
-    amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+    amax = tl.maximum(reduce_max(tl.abs(xe), axis=1), reduce_max(tl.abs(xo), axis=1))
     six = tl.full([BLOCK_B], FP4_MAX, dtype=tl.float32)
-    s = tl.math.div_rn(tl.math.div_rn(amax, six), tl.zeros([BLOCK_B], dtype=tl.float32) + g)
+    s = tl.math.div_rn(tl.math.div_rn(amax, six), tl.full([BLOCK_B], 0.0, dtype=tl.float32) + g)
     s = tl.minimum(tl.maximum(s, E4M3_MIN_NORMAL), E4M3_MAX)
     byte, s_q = e4m3_round(s)
     total = tl.broadcast_to((g * s_q)[:, None], (BLOCK_B, 8))

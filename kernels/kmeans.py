@@ -80,7 +80,9 @@ def _mask_invalid(labels: Tensor, valid: Tensor | None) -> Tensor:
 
 def _check_assign_args(x: Tensor, centroids: Tensor) -> None:
     if x.dim() != 3 or centroids.dim() != 3:
-        raise ValueError(f"expected x [G, N, D] and centroids [G, k, D], got {tuple(x.shape)}, {tuple(centroids.shape)}")
+        raise ValueError(
+            f"expected x [G, N, D] and centroids [G, k, D], got {tuple(x.shape)}, {tuple(centroids.shape)}"
+        )
     if x.shape[0] != centroids.shape[0] or x.shape[2] != centroids.shape[2]:
         raise ValueError(f"x {tuple(x.shape)} and centroids {tuple(centroids.shape)} disagree on G or D")
 

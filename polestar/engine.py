@@ -103,8 +103,11 @@ def decode(
         while bool(state.active.any()):
             plan = refresh.plan(state, cache)
             hook = refresh.hook(state, plan, cache, model)
-            out = model.run_plan(state.x, cache, plan, refresh.probe(state, plan), hook)
+            probe = commit.probe(state, plan) or refresh.probe(state, plan)
+            out = model.run_plan(state.x, cache, plan, probe, hook)
             refresh.observe(state, plan, out, cache)
+            if out.probe is not None:
+                commit.observe_probe(state, out.probe)
             logits = model.head(out.hidden[:, plan.target_offset : plan.target_offset + bl])
             masked = state.block_masked()
             pred = predict(logits, masked, config.temperature, generator, spec.mask_id)
@@ -115,6 +118,10 @@ def decode(
             state.extras["last_commits"] = transfer.sum(dim=1)
             block_x = state.x[:, state.block_start : state.block_end]
             state.x[:, state.block_start : state.block_end] = torch.where(transfer, pred.tokens, block_x)
+            extra = commit.suffix(state)
+            if extra is not None:
+                positions, tokens, take = extra
+                state.x.scatter_(1, positions, torch.where(take, tokens, state.x.gather(1, positions)))
             layers_valid = plan.valid.sum(dim=-1)
             evals[rows] += layers_valid.sum(dim=0) if plan.per_layer else layers_valid * spec.n_layers
             if hook is not None:

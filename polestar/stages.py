@@ -59,5 +59,18 @@ class CommitRule(Stage):
     rows. The engine commits only masked positions and guarantees at least one commit per active row.
     """
 
+    wants_packet: bool = False
+
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
+
+    def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:
+        """Attention rows this rule wants from the forward (default: none)."""
+        return None
+
+    def observe_probe(self, state: DecodeState, probs: torch.Tensor) -> None:
+        """Receives the probed attention ``[B, H, R, T+1]`` before ``select``."""
+
+    def suffix(self, state: DecodeState):
+        """Commits outside the block: ``(positions [B, N], tokens [B, N], commit [B, N] bool)`` or None."""
+        return None

@@ -2,7 +2,17 @@
 
 from polestar.policy import PolicySpec, register_policy
 
-from . import cluster, commit_basic, drift, offload, quant, refresh_adaptive, refresh_basic, refresh_polestar  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    cluster,
+    commit_adaptive,
+    commit_basic,
+    drift,
+    offload,
+    quant,
+    refresh_adaptive,
+    refresh_basic,
+    refresh_polestar,
+)
 
 register_policy(PolicySpec(
     "baseline", {"refresh": "full", "commit": "topk"},
@@ -33,4 +43,20 @@ register_policy(PolicySpec(
 register_policy(PolicySpec(
     "dllm-cache", {"refresh": "dllm-cache", "commit": "threshold"},
     description="dLLM-Cache: interval prompt/response refresh + value-change-driven partial updates",
+))
+register_policy(PolicySpec(
+    "polestar", {"refresh": "polestar", "commit": "polestar", **_DRIFT_STAGES},
+    description="Polestar: drift-aware sparse cache updates + drift-delta early commit + suffix-block commit",
+))
+register_policy(PolicySpec(
+    "polestar-commit", {"refresh": "dual", "commit": "polestar"},
+    description="Polestar-Commit alone: dual cache + drift-delta early commit (no update packets, no suffix commit)",
+))
+register_policy(PolicySpec(
+    "eb", {"refresh": "dual", "commit": "entropy-bound"},
+    description="EB-sampler: dual cache + entropy-bounded commit",
+))
+register_policy(PolicySpec(
+    "klass", {"refresh": "dual", "commit": "klass"},
+    description="KLASS: dual cache + KL-stability commit",
 ))

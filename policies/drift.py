@@ -69,4 +69,4 @@ class UncertaintyDrift(DriftMetric):
 
     def score(self, cur, prev):
         p = cur.float()
-        return -(p * p.clamp_min(1e-30).log()).sum(-1).clamp_min(0).mean(dim=1)
+        return (-(p * p.clamp_min(1e-30).log()).sum(-1)).clamp_min(0).mean(dim=1)

@@ -40,6 +40,15 @@ def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
     return min(k_pre, n_pre), min(total - k_pre, n_post)
 
 
+def top_clusters(drift: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` most drifting non-empty clusters of each row: ``drift, counts [B, K]`` → bool ``[B, K]``.
+    Ties go to the lower cluster index, so a larger ``k`` always selects a superset."""
+    K = drift.shape[1]
+    scores = drift.float().masked_fill(counts == 0, float("-inf"))
+    rank = scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+    return (rank < min(k, K)) & (counts > 0)
+
+
 @register("refresh", "polestar")
 class PolestarRefresh(RefreshSelector):
     """Polestar-Cache (see module docstring). Defaults are the paper's / authors' code values."""
@@ -187,11 +196,9 @@ class _UpdateHook:
         cur = model.proxy_attention(layer, ctx["centroids"][layer], cache, ctx["centroid_pos"][layer])
         drift = sel.drift.score(cur, ctx["prev"][layer])
         ctx["prev"][layer] = torch.where(self.due[:, None, None, None], cur, ctx["prev"][layer])
-        drift = drift.masked_fill(ctx["counts"][layer] == 0, float("-inf"))
         n_layers = model.spec.n_layers
         k = sel.config.topk_last if layer == n_layers - 1 else sel.config.topk
-        k = min(k, drift.shape[1])
-        top = torch.zeros_like(drift, dtype=torch.bool).scatter_(1, drift.topk(k, dim=1).indices, True)
+        top = top_clusters(drift, ctx["counts"][layer], k)
         labels = ctx["labels"][layer]
         members = self.window.valid & (labels >= 0) & top.gather(1, labels.clamp_min(0)) & self.due[:, None]
         if layer == 0:

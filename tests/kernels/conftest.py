@@ -13,9 +13,12 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# If a parent conftest already imported the kernel modules (before the variable was set), rebuild
-# their @triton.jit functions so they honour TRITON_INTERPRET.
-for _name in [m for m in sys.modules if m.startswith("polestar.kernels._") and m.endswith("_kernels")]:
+# A parent conftest may already have imported the kernel modules (tests/conftest.py imports the
+# policies, which import polestar.kernels) before the variable was set: rebuild their @triton.jit
+# functions so that they honour TRITON_INTERPRET, shared helpers first.  The kernels avoid
+# triton.language.standard's jit functions (tl.sum, tl.max, tl.zeros), which cannot be rebuilt.
+_loaded = [m for m in sys.modules if m.startswith("polestar.kernels._") and m.endswith("_kernels")]
+for _name in sorted(_loaded, key=lambda m: not m.endswith("._common_kernels")):
     importlib.reload(sys.modules[_name])
 
 import pytest  # noqa: E402

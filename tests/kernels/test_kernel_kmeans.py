@@ -195,7 +195,9 @@ def test_kmeans_k1_is_mean_and_invalid_ignored():
     valid = torch.ones(3, 9, dtype=torch.bool)
     valid[:, ::3] = False
     res = km.reference_spherical_kmeans(x, 1, generator=torch.Generator().manual_seed(0), valid=valid)
-    torch.testing.assert_close(res.centroids[:, 0], (x * valid[..., None]).sum(1) / valid.sum(1, keepdim=True))
+    torch.testing.assert_close(
+        res.centroids[:, 0], (x * valid[..., None]).sum(1) / valid.sum(1, keepdim=True)
+    )
     assert (res.labels[~valid] == -1).all() and (res.labels[valid] == 0).all()
 
 

@@ -1,0 +1,165 @@
+"""Adaptive commit rules: Polestar-Commit (drift delta + suffix block), EB-sampler's entropy bound, KLASS.
+
+Shapes: ``Prediction.confidence [B, bl]``, ``Prediction.logits [B, bl, V]``, masks ``[B, bl]``; the attention probe
+of the block rows at the last layer ``[B, H, bl, T + 1]``; the update packet ``positions [Nw]``, ``valid [B, Nw]``,
+``logits [B, Nw, V]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from attrs import validators as v
+
+from polestar.kernels.drift import kl_drift
+from polestar.models.backbone import AttentionProbe
+from polestar.models.plan import Plan
+from polestar.registry import register
+from polestar.stages import CommitRule
+from polestar.state import DecodeState, Prediction
+
+from .commit_basic import _threshold_validator, rank_descending
+
+
+def _threshold_base(pred: Prediction, masked: torch.Tensor, threshold: float) -> torch.Tensor:
+    conf = pred.confidence.masked_fill(~masked, float("-inf"))
+    top = torch.zeros_like(masked).scatter_(1, conf.argmax(dim=1, keepdim=True), True)
+    return masked & ((conf >= threshold) | top)
+
+
+def _propose(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens (mask excluded) and their float64 confidence: ``[..., V]`` → ``[...]``, ``[...]``."""
+    l64 = logits.double()
+    scores = l64.clone()
+    if 0 <= mask_id < scores.shape[-1]:
+        scores[..., mask_id] = float("-inf")
+    tokens = scores.argmax(-1)
+    conf = (l64.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(l64, -1)).exp()
+    return tokens, conf
+
+
+@register("commit", "polestar")
+class PolestarCommit(CommitRule):
+    """Polestar-Commit (Lee et al. 2026): Fast-dLLM's threshold rule (``threshold`` = τ_s, most confident always),
+    plus early commit of a masked block token whose drift delta (its last-layer attention KL between consecutive
+    steps, head-averaged, minus the mean of its last ``window`` drifts) satisfies
+    ``alpha * (threshold − c)² ≤ delta < delta_cap`` for ``min_confidence < c < threshold``, plus suffix-block
+    commit of masked positions after the block that the last layer's update packet refreshed, when their
+    confidence ≥ ``threshold`` (positions shifted by one for Dream's shifted logits). ``alpha = inf`` disables the
+    early commit (plain threshold)."""
+
+    @attrs.frozen
+    class Config:
+        threshold: float = attrs.field(default=0.9, converter=float, validator=_threshold_validator)
+        min_confidence: float = attrs.field(default=0.7, converter=float, validator=_threshold_validator)
+        alpha: float = attrs.field(default=10.0, converter=float, validator=v.ge(0.0))
+        window: int = attrs.field(default=5, validator=v.ge(1))
+        delta_cap: float = attrs.field(default=2.0, converter=float, validator=v.gt(0.0))
+        suffix_commit: bool = attrs.field(default=True, validator=v.instance_of(bool))
+
+    wants_packet = True
+
+    def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe:
+        rows = plan.target_offset + torch.arange(state.block_length, device=state.x.device)
+        return AttentionProbe(state.n_layers - 1, rows[None, :].expand(state.batch_size, -1))
+
+    def observe_probe(self, state: DecodeState, probs: torch.Tensor) -> None:
+        """Turn this step's attention rows ``[B, H, bl, T+1]`` into drift deltas ``[B, bl]`` (kept in extras)."""
+        ctx = state.extras.setdefault("polestar_commit", {})
+        if state.step == 0:
+            ctx.clear()
+        prev = ctx.get("attn")
+        ctx["attn"] = probs
+        if prev is None:
+            ctx["delta"] = None
+            return
+        drift = kl_drift(probs, prev).mean(dim=1)  # [B, bl]
+        hist, count = ctx.get("hist"), ctx.get("count", 0)
+        if count == 0:
+            delta = drift
+        else:
+            n = min(count, self.config.window)
+            delta = drift - hist[:, :n].mean(dim=1)
+        w = self.config.window
+        hist = drift[:, None] if hist is None else torch.cat([drift[:, None], hist], dim=1)[:, :w]
+        ctx.update(hist=hist, count=count + 1, delta=delta)
+
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        c = self.config
+        transfer = _threshold_base(pred, masked, c.threshold)
+        delta = state.extras.get("polestar_commit", {}).get("delta")
+        if delta is None or math.isinf(c.alpha):
+            return transfer
+        conf = pred.confidence
+        gate = c.alpha * (c.threshold - conf).clamp_min(0.0) ** 2
+        band = (conf > c.min_confidence) & (conf < c.threshold)
+        early = masked & band & (delta.double() >= gate) & (delta < c.delta_cap)
+        return transfer | early
+
+    def suffix(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Suffix-block commits: ``(positions [B, N], tokens [B, N], commit [B, N])`` or None."""
+        packet = state.extras.pop("packet", None)
+        if packet is None or not self.config.suffix_commit:
+            return None
+        target = packet["positions"] + state.logit_shift
+        inside = (target >= state.block_end) & (target < state.length)
+        target = target.clamp(max=state.length - 1)[None, :].expand(state.batch_size, -1)
+        tokens, conf = _propose(packet["logits"], state.mask_id)
+        is_masked = state.x.gather(1, target) == state.mask_id
+        commit = packet["valid"] & inside[None, :] & is_masked & (conf >= self.config.threshold) & state.active[:, None]
+        return target, tokens, commit
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return (-(logp.exp() * logp).sum(-1)).clamp_min(0.0)
+
+
+@register("commit", "entropy-bound")
+class EntropyBoundCommit(CommitRule):
+    """EB-sampler (Ben-Hamu et al. 2025, "Accelerated Sampling from Masked Diffusion Models via Entropy Bounded
+    Unmasking"): order masked tokens by confidence and commit the longest prefix whose summed entropy minus its
+    largest entropy stays ≤ ``gamma`` (at least one token). Shapes: entropies ``[B, bl]``."""
+
+    @attrs.frozen
+    class Config:
+        gamma: float = attrs.field(default=0.1, converter=float, validator=v.ge(0.0))
+
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        conf = pred.confidence.masked_fill(~masked, float("-inf"))
+        order = conf.argsort(dim=1, descending=True, stable=True)
+        ent = _entropy(pred.logits).masked_fill(~masked, 0.0).gather(1, order)
+        csum = ent.cumsum(dim=1)
+        cmax = ent.cummax(dim=1).values
+        ok = (csum - cmax) <= self.config.gamma
+        count = ok.long().cumprod(dim=1).sum(dim=1).clamp_min(1)
+        return masked & (rank_descending(conf) < count[:, None])
+
+
+@register("commit", "klass")
+class KLASSCommit(CommitRule):
+    """KLASS (Kim et al. 2025, "KL-Adaptive Stability Sampling"): commit masked tokens whose output distribution
+    moved less than ``kl_bound`` (KL between consecutive steps) for ``stable_steps`` consecutive steps and whose
+    confidence ≥ ``min_confidence``; the most confident token is always committed. Shapes: ``[B, bl]``."""
+
+    @attrs.frozen
+    class Config:
+        kl_bound: float = attrs.field(default=0.01, converter=float, validator=v.ge(0.0))
+        stable_steps: int = attrs.field(default=2, validator=v.ge(1))
+        min_confidence: float = attrs.field(default=0.5, converter=float, validator=_threshold_validator)
+
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        ctx = state.extras.setdefault("klass", {})
+        logp = torch.log_softmax(pred.logits.float(), dim=-1)
+        if state.step == 0 or "logp" not in ctx:
+            streak = torch.zeros_like(masked, dtype=torch.long)
+        else:
+            kl = (logp.exp() * (logp - ctx["logp"])).sum(-1).clamp_min(0.0)
+            streak = torch.where(kl < self.config.kl_bound, ctx["streak"] + 1, 0)
+        ctx.update(logp=logp, streak=streak)
+        stable = (streak >= self.config.stable_steps) & (pred.confidence >= self.config.min_confidence)
+        conf = pred.confidence.masked_fill(~masked, float("-inf"))
+        top = torch.zeros_like(masked).scatter_(1, conf.argmax(dim=1, keepdim=True), True)
+        return masked & (stable | top)

@@ -1,0 +1,87 @@
+"""Polestar-Cache and the refresh baselines: equivalences with no-cache decoding and stage invariants."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import polestar
+from polestar.policies.refresh_polestar import split_clusters, top_clusters
+from tests.conftest import make_model
+
+PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]
+EXACT = dict(topk=64, topk_last=64, tau_upd=0, prefix_blocks=64, suffix_blocks=64, window_refresh_every=0,
+             quant="none")
+
+
+def _gen(m, policy, **kw):
+    base = dict(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False)
+    base.update(kw)
+    return polestar.generate(m, PROMPTS, policy=policy, **base)
+
+
+def test_split_clusters_matches_paper():
+    assert split_clusters(8, 64, 32) == (5, 3)
+    assert split_clusters(8, 0, 32) == (0, 8)
+    assert split_clusters(8, 20, 0) == (8, 0)
+    assert split_clusters(8, 3, 32) == (1, 7)
+    assert split_clusters(8, 2, 2) == (2, 2)
+
+
+@pytest.mark.parametrize("cluster", ["kmeans", "chunks"])
+def test_polestar_refreshing_all_clusters_every_step_equals_no_cache(family, cluster):
+    m = make_model(family, seed=2)
+    ref = _gen(m, "parallel")
+    out = _gen(m, "polestar-cache", cluster=cluster, **EXACT)
+    assert out.tokens.tolist() == ref.tokens.tolist()
+
+
+@pytest.mark.parametrize("policy,kw", [("elastic-cache", dict(gamma=1.0)), ("dllm-cache", dict(ratio=1.0))])
+def test_adaptive_baselines_refreshing_everything_equal_no_cache(family, policy, kw):
+    m = make_model(family, seed=2)
+    assert _gen(m, policy, **kw).tokens.tolist() == _gen(m, "parallel").tokens.tolist()
+
+
+def test_cpu_offload_gives_identical_tokens(family):
+    m = make_model(family, seed=3)
+    a = _gen(m, "polestar-cache", quant="nvfp4", offload="none", tau_upd=0)
+    b = _gen(m, "polestar-cache", quant="nvfp4", offload="cpu", tau_upd=0)
+    assert a.tokens.tolist() == b.tokens.tolist()
+
+
+@pytest.mark.parametrize("drift", ["kl", "js", "cosine", "uncertainty"])
+@pytest.mark.parametrize("quant", ["none", "nvfp4", "fp8"])
+def test_every_stage_combination_decodes(drift, quant):
+    m = make_model("llada", seed=4)
+    out = _gen(m, "polestar-cache", drift=drift, quant=quant, tau_upd=0)
+    assert (out.generations != m.spec.mask_id).all()
+
+
+def test_sparse_updates_cost_more_than_dual_cache_and_less_than_no_cache(family):
+    m = make_model(family, seed=5)
+    dual = _gen(m, "fast-dllm").stats.token_layer_evals
+    pol = _gen(m, "polestar-cache", tau_upd=0).stats.token_layer_evals
+    full = _gen(m, "parallel").stats.token_layer_evals
+    assert dual < pol < full
+
+
+def test_polestar_is_seed_reproducible():
+    m = make_model("dream", seed=6)
+    assert _gen(m, "polestar-cache", seed=3).tokens.tolist() == _gen(m, "polestar-cache", seed=3).tokens.tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(2, 9), st.data())
+def test_larger_k_selects_a_superset(batch, n_clusters, data):
+    drift = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, float("inf")]),
+                                            min_size=batch * n_clusters, max_size=batch * n_clusters)))
+    drift = drift.view(batch, n_clusters)
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=batch * n_clusters,
+                                             max_size=batch * n_clusters))).view(batch, n_clusters)
+    prev = top_clusters(drift, counts, 0)
+    assert not prev.any()
+    for k in range(1, n_clusters + 2):
+        cur = top_clusters(drift, counts, k)
+        assert (cur | ~prev).all()
+        assert (cur.sum(1) <= k).all() and not (cur & (counts == 0)).any()
+        prev = cur
