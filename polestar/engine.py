@@ -13,6 +13,7 @@ from .config import GenerationConfig
 from .policy import Pipeline
 from .state import DecodeState, Prediction
 from .stats import RunStats, SequenceStats
+from .step import StepRunner
 
 
 def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, generator: torch.Generator, mask_id: int) -> Prediction:
@@ -57,6 +58,7 @@ def decode(
     attention_mask: torch.Tensor,
     pipeline: Pipeline,
     config: GenerationConfig,
+    compile: bool = False,
 ) -> tuple[torch.Tensor, RunStats]:
     """Generate for left-padded ``prompt_ids [B, P]`` with ``attention_mask [B, P]``.
 
@@ -85,6 +87,9 @@ def decode(
     evals = torch.zeros(B, dtype=torch.long, device=device)
     calls = 0
     bl = config.block_length
+    block_cols = torch.arange(bl, device=device)
+    runner = StepRunner(compile, device)
+    runner.mark_static(cache)
     start_time = time.perf_counter()
     for block in range(config.num_blocks):
         if bool(finished.any()):
@@ -104,11 +109,11 @@ def decode(
             plan = refresh.plan(state, cache)
             hook = refresh.hook(state, plan, cache, model)
             probe = commit.probe(state, plan) or refresh.probe(state, plan)
-            out = model.run_plan(state.x, cache, plan, probe, hook)
-            refresh.observe(state, plan, out, cache)
-            if out.probe is not None:
-                commit.observe_probe(state, out.probe)
-            logits = model.head(out.hidden[:, plan.target_offset : plan.target_offset + bl])
+            target = plan.target_offset + block_cols
+            logits, probs = runner(model, state.x, cache, plan, target[None, :].expand(state.batch_size, -1), probe, hook)
+            refresh.observe(state, plan, probs, cache)
+            if probs is not None:
+                commit.observe_probe(state, probs)
             masked = state.block_masked()
             pred = predict(logits, masked, config.temperature, generator, spec.mask_id)
             transfer = commit.select(pred, masked, state) & masked

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polestar.models.backbone import AttentionProbe, PlanOutput
+from polestar.models.backbone import AttentionProbe
 from polestar.models.plan import DecodeCache, Plan
 
 from .state import DecodeState, Prediction
@@ -48,7 +48,7 @@ class RefreshSelector(Stage):
         """Attention rows this selector wants from the forward (default: none)."""
         return None
 
-    def observe(self, state: DecodeState, plan: Plan, out: PlanOutput, cache: DecodeCache) -> None:
+    def observe(self, state: DecodeState, plan: Plan, probe: torch.Tensor | None, cache: DecodeCache) -> None:
         """Bookkeeping after the forward (drift histories, clusters); default: nothing."""
 
 

@@ -100,6 +100,7 @@ class ElasticRefresh(RefreshSelector):
 
 
 class _ElasticHook(_PacketHook):
+    compilable = False  # the trigger decides on the host, layer by layer
     def __init__(self, sel, state, cache, model, ctx, plan: Plan, build: bool):
         cand, valid = _outside_block(state, cache, 0)
         super().__init__(state, cache, model, cand, valid)

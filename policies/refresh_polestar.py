@@ -124,6 +124,8 @@ class PolestarRefresh(RefreshSelector):
 class _BuildHook:
     """Block start: cluster and store each layer's window inputs; record the proxy distributions."""
 
+    compilable = False  # random centroid initialisation through a torch.Generator; runs eagerly
+
     def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, ctx):
         self.sel, self.state, self.cache, self.model, self.ctx = sel, state, cache, model, ctx
         window: Window = sel._window

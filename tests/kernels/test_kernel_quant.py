@@ -229,6 +229,29 @@ def test_shapes_and_padding():
         qt.reference_nvfp4_quantize(torch.tensor(1.0))
 
 
+@FAST
+@given(tensors())
+def test_fp8_matches_naive(x):
+    t = qt.fp8_quantize(x)
+    rows = x.float().reshape(-1, x.shape[-1]).tolist()
+    scales, codes = [], []
+    for r in rows:
+        amax = max(abs(v) for v in r)
+        s = f32(amax / 448.0) if amax > 0 else 1.0
+        scales.append(s)
+        for v in r:
+            q = min(max(f32(v / s), -448.0), 448.0)
+            byte = naive_e4m3(abs(q))[1]
+            codes.append(byte | (0x80 if q < 0 else 0))  # the sign survives underflow (-0)
+    assert t.scale.flatten().tolist() == scales
+    assert t.data.view(torch.uint8).flatten().tolist() == codes
+    values = {b: v for v, b in E4M3}
+    expected = [
+        values[c & 0x7F] * (-1 if c & 0x80 else 1) * scales[i // x.shape[-1]] for i, c in enumerate(codes)
+    ]
+    assert torch.equal(qt.fp8_dequantize(t), torch.tensor(expected).reshape(x.shape).to(x.dtype))
+
+
 def test_fp8_and_identity_and_registry():
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     x[1] = 0
