@@ -148,6 +148,35 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     }
 
 
+def profile_policies(model_name, task_name, policies, n, options, decoding, batch_size=1, dtype="float32",
+                     device="cpu") -> dict[str, dict[str, float]]:
+    """Share of step time per stage (``polestar.profiling`` scopes) for each policy, on ``n`` problems."""
+    from polestar.profiling import profile_shares
+
+    task = get_task(task_name)
+    model = polestar.load(model_name, dtype=dtype, device=device)
+    problems = load_problems(task_name, n)
+    out = {}
+    for name in policies:
+        opts = {k + "?": v for k, v in options.items()}
+        times = profile_shares(lambda name=name, opts=opts: run_policy(model, task, problems, name, opts, decoding, batch_size))
+        total = times.pop("total")
+        drift_parts = ("proxy_attention", "drift", "cluster", "store", "packet")
+        shares = {"model_forward": (times["forward"] - sum(times[k] for k in drift_parts)) / total}
+        shares.update({k: times[k] / total for k in (*drift_parts, "commit")})
+        shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        out[name] = shares
+    return out
+
+
+def format_profile(profile: dict[str, dict[str, float]]) -> str:
+    cols = ["model_forward", "proxy_attention", "drift", "cluster", "store", "packet", "commit", "other"]
+    lines = ["share of step time (%)", f"{'policy':18s} " + " ".join(f"{c[:10]:>10s}" for c in cols)]
+    for name, shares in profile.items():
+        lines.append(f"{name:18s} " + " ".join(f"{100 * shares[c]:10.1f}" for c in cols))
+    return "\n".join(lines)
+
+
 def _accepts(policy: str, key: str, value: Any) -> bool:
     try:
         polestar.assemble(policy, {key: value})
@@ -174,6 +203,10 @@ def run_bench_cli(args, options: dict[str, Any]) -> int:
                        args.dtype, args.device)
     title = f"{args.model} / {args.task} / n={result['n']} / gen {args.gen_length} block {args.block_length}"
     print(format_table(result["summary"], title))
+    if args.profile:
+        result["profile"] = profile_policies(args.model, args.task, policies, min(args.n, 8), options, decoding,
+                                             args.batch_size, args.dtype, args.device)
+        print(format_profile(result["profile"]))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     if args.plot:

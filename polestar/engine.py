@@ -11,6 +11,7 @@ from polestar.policies.commit_basic import transfer_counts
 
 from .config import GenerationConfig
 from .policy import Pipeline
+from .profiling import scope
 from .state import DecodeState, Prediction
 from .stats import RunStats, SequenceStats
 from .step import StepRunner
@@ -110,13 +111,15 @@ def decode(
             hook = refresh.hook(state, plan, cache, model)
             probe = commit.probe(state, plan) or refresh.probe(state, plan)
             target = plan.target_offset + block_cols
-            logits, probs = runner(model, state.x, cache, plan, target[None, :].expand(state.batch_size, -1), probe, hook)
+            with scope("forward"):
+                logits, probs = runner(model, state.x, cache, plan, target[None, :].expand(state.batch_size, -1), probe, hook)
             refresh.observe(state, plan, probs, cache)
             if probs is not None:
                 commit.observe_probe(state, probs)
             masked = state.block_masked()
-            pred = predict(logits, masked, config.temperature, generator, spec.mask_id)
-            transfer = commit.select(pred, masked, state) & masked
+            with scope("commit"):
+                pred = predict(logits, masked, config.temperature, generator, spec.mask_id)
+                transfer = commit.select(pred, masked, state) & masked
             stalled = masked.any(dim=1) & ~transfer.any(dim=1)
             best = torch.zeros_like(masked).scatter_(1, pred.confidence.argmax(dim=1, keepdim=True), True)
             transfer |= stalled[:, None] & best & masked

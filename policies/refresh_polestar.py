@@ -22,6 +22,7 @@ import torch
 from attrs import validators as v
 
 from polestar.models.plan import DecodeCache, Plan, span_plan
+from polestar.profiling import scope
 from polestar.registry import register
 from polestar.stages import RefreshSelector
 from polestar.state import DecodeState
@@ -145,7 +146,8 @@ class _BuildHook:
         for lo, hi, k in ((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post)):
             if k == 0:
                 continue
-            c, lab, cnt = sel.clusterer.cluster(hw[:, lo:hi].float(), k, window.valid[:, lo:hi], self.state.generator)
+            with scope("cluster"):
+                c, lab, cnt = sel.clusterer.cluster(hw[:, lo:hi].float(), k, window.valid[:, lo:hi], self.state.generator)
             parts.append((c, torch.where(lab >= 0, lab + offset, -1), cnt))
             offset += k
         centroids = torch.cat([p[0] for p in parts], dim=1).to(h.dtype)
@@ -155,12 +157,14 @@ class _BuildHook:
         pos = self.cache.positions.index_select(1, window.positions).float()
         centroid_pos = (torch.einsum("bnk,bn->bk", onehot, pos) / counts.clamp_min(1)).round().long()
         anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, h.shape[-1]))
-        sel._store.put(layer, hw, anchor)
+        with scope("store"):
+            sel._store.put(layer, hw, anchor)
         ctx["centroids"].append(centroids)
         ctx["labels"].append(labels)
         ctx["counts"].append(counts)
         ctx["centroid_pos"].append(centroid_pos)
-        ctx["prev"].append(self.model.proxy_attention(layer, centroids, self.cache, centroid_pos))
+        with scope("proxy_attention"):
+            ctx["prev"].append(self.model.proxy_attention(layer, centroids, self.cache, centroid_pos))
 
     def after_layer(self, layer: int) -> None:
         pass
@@ -187,7 +191,8 @@ class _UpdateHook:
             k, v = model.layer_kv(layer, self.packet_h, self.rope_pos)
             model.write_kv(cache, layer, torch.where(self.packet_valid, self.index, trash), k, v)
             self.evals += self.packet_valid.sum(-1)
-            old = sel._store.update(layer, self.packet_valid, self.packet_h)
+            with scope("store"):
+                old = sel._store.update(layer, self.packet_valid, self.packet_h)
             labels = ctx["labels"][layer]
             k_clusters = ctx["centroids"][layer].shape[1]
             onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype)
@@ -195,8 +200,10 @@ class _UpdateHook:
             delta = torch.einsum("bnk,bnd->bkd", onehot, self.packet_h.to(old.dtype) - old)
             counts = ctx["counts"][layer].clamp_min(1)[..., None].to(old.dtype)
             ctx["centroids"][layer] = ctx["centroids"][layer] + delta / counts
-        cur = model.proxy_attention(layer, ctx["centroids"][layer], cache, ctx["centroid_pos"][layer])
-        drift = sel.drift.score(cur, ctx["prev"][layer])
+        with scope("proxy_attention"):
+            cur = model.proxy_attention(layer, ctx["centroids"][layer], cache, ctx["centroid_pos"][layer])
+        with scope("drift"):
+            drift = sel.drift.score(cur, ctx["prev"][layer])
         ctx["prev"][layer] = torch.where(self.due[:, None, None, None], cur, ctx["prev"][layer])
         n_layers = model.spec.n_layers
         k = sel.config.topk_last if layer == n_layers - 1 else sel.config.topk
@@ -206,8 +213,10 @@ class _UpdateHook:
         if layer == 0:
             inputs = model.embed(self.state.x.index_select(1, self.window.positions))
         else:
-            inputs = sel._store.get(layer)
-        out, _ = model.layer_rows(layer, inputs, self.rope_pos, cache)
+            with scope("store"):
+                inputs = sel._store.get(layer)
+        with scope("packet"):
+            out, _ = model.layer_rows(layer, inputs, self.rope_pos, cache)
         self.evals += members.sum(-1)
         self.packet_h, self.packet_valid = out, members
         if layer == n_layers - 1 and sel.packet_logits:
