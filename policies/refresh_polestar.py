@@ -23,6 +23,7 @@ from attrs import validators as v
 
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
+from polestar.streams import SideStream
 from polestar.registry import register
 from polestar.stages import RefreshSelector
 from polestar.state import DecodeState
@@ -72,6 +73,7 @@ class PolestarRefresh(RefreshSelector):
         self.packet_logits = False
         self._window: Window | None = None
         self._store: MemberStore | None = None
+        self._side: SideStream | None = None
 
     def bind(self, stages: dict) -> None:
         missing = [k for k in ("drift", "cluster", "quant", "offload") if k not in stages]
@@ -108,11 +110,15 @@ class PolestarRefresh(RefreshSelector):
             if window.size == 0:
                 return None
             self._store = MemberStore(self.quant, self.offload, model.spec.n_layers, state.x.device, model.dtype)
+            if self._side is None:
+                self._side = SideStream(state.x.device)
             plan_start = state.block_start - state.logit_shift - plan.target_offset
             return _BuildHook(self, state, plan_start, cache, model, ctx)
         window: Window = self._window
         if window.size == 0 or "centroids" not in ctx:
             return None
+        # the block start's side-stream work must finish before this step writes K/V or reads the clusters
+        self._side.join(*[t for key in ("centroids", "labels", "counts", "centroid_pos", "prev") for t in ctx[key]])
         last = state.extras.get("last_commits", torch.zeros_like(ctx["since"]))
         tau = self.config.tau_upd
         due = state.active & ((last > tau) | (ctx["since"] + last > tau + 1))
@@ -141,6 +147,12 @@ class _BuildHook:
         ctx, sel = self.ctx, self.sel
         window = sel._window
         hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
+        with sel._side.run(hw, self.cache.k[layer]):  # consumed only by the next step: overlap on CUDA
+            self._build_layer(layer, hw)
+
+    def _build_layer(self, layer: int, hw: torch.Tensor) -> None:
+        ctx, sel = self.ctx, self.sel
+        window = sel._window
         n_pre = window.n_prefix
         parts, offset = [], 0
         for lo, hi, k in ((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post)):
@@ -150,13 +162,13 @@ class _BuildHook:
                 c, lab, cnt = sel.clusterer.cluster(hw[:, lo:hi].float(), k, window.valid[:, lo:hi], self.state.generator)
             parts.append((c, torch.where(lab >= 0, lab + offset, -1), cnt))
             offset += k
-        centroids = torch.cat([p[0] for p in parts], dim=1).to(h.dtype)
+        centroids = torch.cat([p[0] for p in parts], dim=1).to(hw.dtype)
         labels = torch.cat([p[1] for p in parts], dim=1)
         counts = torch.cat([p[2] for p in parts], dim=1)
         onehot = torch.nn.functional.one_hot(labels.clamp_min(0), offset).float() * (labels >= 0)[..., None].float()
         pos = self.cache.positions.index_select(1, window.positions).float()
         centroid_pos = (torch.einsum("bnk,bn->bk", onehot, pos) / counts.clamp_min(1)).round().long()
-        anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, h.shape[-1]))
+        anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, hw.shape[-1]))
         with scope("store"):
             sel._store.put(layer, hw, anchor)
         ctx["centroids"].append(centroids)
