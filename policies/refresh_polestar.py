@@ -23,10 +23,10 @@ from attrs import validators as v
 
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
-from polestar.streams import SideStream
 from polestar.registry import register
 from polestar.stages import RefreshSelector
 from polestar.state import DecodeState
+from polestar.streams import SideStream
 
 from .refresh_basic import block_start_plan
 from .sparse_update import MemberStore, Window, make_window
@@ -144,8 +144,7 @@ class _BuildHook:
             ctx[key] = []
 
     def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        ctx, sel = self.ctx, self.sel
-        window = sel._window
+        sel = self.sel
         hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
         with sel._side.run(hw, self.cache.k[layer]):  # consumed only by the next step: overlap on CUDA
             self._build_layer(layer, hw)
