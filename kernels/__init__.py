@@ -3,9 +3,13 @@
 * :mod:`polestar.kernels.drift` - KL / JS / cosine drift of attention rows, softmax entropy.
 * :mod:`polestar.kernels.kmeans` - batched spherical k-means and the "chunks" grouping.
 * :mod:`polestar.kernels.quant` - NVFP4 / FP8 / identity quantizers for cluster residuals.
+* :mod:`polestar.kernels.proxy_attention` - attention probabilities of probe (proxy) queries.
+* :mod:`polestar.kernels.gathered_attention` - masked GQA attention of the active positions.
 
 Each op has a pure-torch ``reference_*`` function, a Triton ``*_triton`` kernel with the same
 signature (optional: Triton need not be installed) and a dispatcher taking
-``backend="auto" | "triton" | "reference"``.  Submodules are not imported here, so importing the
-package stays cheap.
+``backend="auto" | "triton" | "reference"``.  The Triton wrappers run through opaque
+``torch.ops.polestar.*`` operators (:mod:`polestar.kernels._library`), so ``torch.compile``
+traces them without graph breaks.  Submodules are not imported here, so importing the package
+stays cheap.
 """

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ._backend import HAS_TRITON, next_pow2, pick, require_triton
+from ._library import register_op
 
 if HAS_TRITON:
     from . import _drift_kernels
@@ -182,37 +183,86 @@ def _pair_rows_launch(kernel: Callable, p: Tensor, q: Tensor, *scalars: float) -
     return out.reshape(p.shape[:-1])
 
 
-def kl_drift_triton(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS) -> Tensor:
-    """Triton version of :func:`reference_kl_drift` (same signature, shapes and semantics).
+# Opaque torch.library ops (see polestar.kernels._library); the fakes only allocate the output.
 
-    ``[..., N]`` inputs are flattened to ``[R, N]``; one program per row loops over ``N`` in
-    ``BLOCK`` chunks.  Returns ``[...]`` fp32.
-    """
-    require_triton()
+
+def _pair_fake(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS) -> Tensor:
+    _check_pair(p, q)
+    return p.new_empty(p.shape[:-1], dtype=torch.float32)
+
+
+def _cosine_fake(p: Tensor, q: Tensor) -> Tensor:
+    return _pair_fake(p, q)
+
+
+def _entropy_fake(logits: Tensor) -> Tensor:
+    return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
+
+@register_op("kl_drift", fake=_pair_fake)
+def _kl_drift_op(p: Tensor, q: Tensor, eps: float) -> Tensor:
     return _pair_rows_launch(_drift_kernels.kl_rows_kernel, p, q, eps)
 
 
-def js_drift_triton(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS) -> Tensor:
-    """Triton version of :func:`reference_js_drift`: ``[..., N], [..., N] -> [...]`` fp32."""
-    require_triton()
+@register_op("js_drift", fake=_pair_fake)
+def _js_drift_op(p: Tensor, q: Tensor, eps: float) -> Tensor:
     return _pair_rows_launch(_drift_kernels.js_rows_kernel, p, q, eps)
 
 
-def cosine_drift_triton(p: Tensor, q: Tensor) -> Tensor:
-    """Triton version of :func:`reference_cosine_drift`: ``[..., N], [..., N] -> [...]`` fp32."""
-    require_triton()
+@register_op("cosine_drift", fake=_cosine_fake)
+def _cosine_drift_op(p: Tensor, q: Tensor) -> Tensor:
     return _pair_rows_launch(_drift_kernels.cosine_rows_kernel, p, q)
 
 
-def entropy_triton(logits: Tensor) -> Tensor:
-    """Triton version of :func:`reference_entropy`: ``[..., N] -> [...]`` fp32 (two passes per row)."""
-    require_triton()
+@register_op("entropy", fake=_entropy_fake)
+def _entropy_op(logits: Tensor) -> Tensor:
     n = logits.shape[-1]
     x2 = _rows(logits)
     out = torch.empty(x2.shape[0], dtype=torch.float32, device=logits.device)
     if out.numel() > 0:
         _drift_kernels.entropy_rows_kernel[(x2.shape[0],)](x2, out, n, x2.stride(0), BLOCK=_block(n))
     return out.reshape(logits.shape[:-1])
+
+
+def kl_drift_triton(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS) -> Tensor:
+    """Triton version of :func:`reference_kl_drift` (same signature, shapes and semantics).
+
+    ``[..., N]`` inputs are flattened to ``[R, N]``; one program per row loops over ``N`` in
+    ``BLOCK`` chunks.  Runs as the opaque op ``torch.ops.polestar.kl_drift``.  Returns ``[...]``
+    fp32.
+    """
+    require_triton()
+    _check_pair(p, q)
+    return torch.ops.polestar.kl_drift(p, q, float(eps))
+
+
+def js_drift_triton(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS) -> Tensor:
+    """Triton version of :func:`reference_js_drift`: ``[..., N], [..., N] -> [...]`` fp32.
+
+    Runs as the opaque op ``torch.ops.polestar.js_drift``.
+    """
+    require_triton()
+    _check_pair(p, q)
+    return torch.ops.polestar.js_drift(p, q, float(eps))
+
+
+def cosine_drift_triton(p: Tensor, q: Tensor) -> Tensor:
+    """Triton version of :func:`reference_cosine_drift`: ``[..., N], [..., N] -> [...]`` fp32.
+
+    Runs as the opaque op ``torch.ops.polestar.cosine_drift``.
+    """
+    require_triton()
+    _check_pair(p, q)
+    return torch.ops.polestar.cosine_drift(p, q)
+
+
+def entropy_triton(logits: Tensor) -> Tensor:
+    """Triton version of :func:`reference_entropy`: ``[..., N] -> [...]`` fp32 (two passes per row).
+
+    Runs as the opaque op ``torch.ops.polestar.entropy``.
+    """
+    require_triton()
+    return torch.ops.polestar.entropy(logits)
 
 
 # ----------------------------------------------------------------------------- dispatchers

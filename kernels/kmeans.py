@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._backend import HAS_TRITON, next_pow2, pick, require_triton
+from ._library import register_op
 
 if HAS_TRITON:
     from . import _kmeans_kernels
@@ -117,21 +118,13 @@ def reference_kmeans_assign(x: Tensor, centroids: Tensor, valid: Tensor | None =
     return _mask_invalid(_cosine_scores(x, centroids).argmax(dim=-1), valid)
 
 
-def kmeans_assign_triton(x: Tensor, centroids: Tensor, valid: Tensor | None = None) -> Tensor:
-    """Triton version of :func:`reference_kmeans_assign` (same signature and shapes).
+def _kmeans_assign_fake(x: Tensor, centroids: Tensor, valid: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[:2], dtype=torch.int64)
 
-    One program per (group, block of points); scores accumulate in fp64 and the running argmax
-    uses a strict ``>`` so ties keep the lowest index.  Labels equal the reference exactly
-    except for near-ties closer than fp64 summation rounding (~1e-16 relative).
 
-    Args:
-        x: ``[G, N, D]``; centroids: ``[G, k, D]``; valid: optional ``[G, N]`` bool.
-
-    Returns:
-        ``[G, N]`` int64 labels (``-1`` for invalid points).
-    """
-    require_triton()
-    _check_assign_args(x, centroids)
+@register_op("kmeans_assign", fake=_kmeans_assign_fake)
+def _kmeans_assign_op(x: Tensor, centroids: Tensor, valid: Tensor | None) -> Tensor:
+    """``polestar::kmeans_assign``: launches ``assign_kernel`` (arguments already checked)."""
     g, n, d = x.shape
     k = centroids.shape[1]
     xs = x if x.stride(-1) == 1 else x.contiguous()
@@ -145,6 +138,25 @@ def kmeans_assign_triton(x: Tensor, centroids: Tensor, valid: Tensor | None = No
             xs, c_hat, out, n, d, k, xs.stride(0), xs.stride(1), BLOCK_N=block_n, BLOCK_D=block_d
         )
     return _mask_invalid(out, valid)
+
+
+def kmeans_assign_triton(x: Tensor, centroids: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Triton version of :func:`reference_kmeans_assign` (same signature and shapes).
+
+    One program per (group, block of points); scores accumulate in fp64 and the running argmax
+    uses a strict ``>`` so ties keep the lowest index.  Labels equal the reference exactly
+    except for near-ties closer than fp64 summation rounding (~1e-16 relative).  Runs as the
+    opaque op ``torch.ops.polestar.kmeans_assign``.
+
+    Args:
+        x: ``[G, N, D]``; centroids: ``[G, k, D]``; valid: optional ``[G, N]`` bool.
+
+    Returns:
+        ``[G, N]`` int64 labels (``-1`` for invalid points).
+    """
+    require_triton()
+    _check_assign_args(x, centroids)
+    return torch.ops.polestar.kmeans_assign(x, centroids, valid)
 
 
 _ASSIGN: dict[str, AssignFn] = {"reference": reference_kmeans_assign, "triton": kmeans_assign_triton}

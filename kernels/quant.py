@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._backend import HAS_TRITON, next_pow2, pick, require_triton
+from ._library import register_op
 
 if HAS_TRITON:
     from . import _quant_kernels
@@ -235,8 +236,37 @@ def _grid(num_blocks: int) -> tuple[int]:
     return (-(-num_blocks // min(_BLOCK_B, next_pow2(num_blocks))),)
 
 
+def _nvfp4_quantize_fake(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    lead, dp = x.shape[:-1], _padded_dim(x.shape[-1])
+    return (
+        x.new_empty((*lead, dp // 2), dtype=torch.uint8),
+        x.new_empty((*lead, dp // NVFP4_BLOCK_SIZE), dtype=torch.float8_e4m3fn),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@register_op("nvfp4_quantize", fake=_nvfp4_quantize_fake)
+def _nvfp4_quantize_op(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``polestar::nvfp4_quantize``: ``x [..., D]`` -> ``(packed, block_scale, global_scale)``."""
+    g = nvfp4_global_scale(x)
+    xp = _pad_last(x)
+    dp = xp.shape[-1]
+    num_blocks = xp.numel() // NVFP4_BLOCK_SIZE
+    packed = torch.empty((*xp.shape[:-1], dp // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((*xp.shape[:-1], dp // NVFP4_BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=x.device)
+    if num_blocks > 0:
+        block_b = min(_BLOCK_B, next_pow2(num_blocks))
+        _quant_kernels.nvfp4_quant_kernel[_grid(num_blocks)](
+            xp, g.reshape(1), packed, scale.view(torch.uint8), num_blocks, BLOCK_B=block_b
+        )
+    return packed, scale, g
+
+
 def nvfp4_quantize_triton(x: Tensor) -> NVFP4Tensor:
     """Triton version of :func:`reference_nvfp4_quantize`; codes and scales are bit-identical.
+
+    Runs as the opaque op ``torch.ops.polestar.nvfp4_quantize`` (which returns the three
+    tensors; the :class:`NVFP4Tensor` is built here).
 
     Args:
         x: ``[..., D]`` finite fp32 / fp16 / bf16 (zero-padded to a multiple of 16).
@@ -246,47 +276,60 @@ def nvfp4_quantize_triton(x: Tensor) -> NVFP4Tensor:
     """
     require_triton()
     _check_quant_input(x)
-    g = nvfp4_global_scale(x)
-    xp = _pad_last(x)
-    dp = xp.shape[-1]
-    num_blocks = xp.numel() // NVFP4_BLOCK_SIZE
-    packed = torch.empty((*xp.shape[:-1], dp // 2), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((*xp.shape[:-1], dp // NVFP4_BLOCK_SIZE), dtype=torch.uint8, device=x.device)
-    if num_blocks > 0:
-        block_b = min(_BLOCK_B, next_pow2(num_blocks))
-        _quant_kernels.nvfp4_quant_kernel[_grid(num_blocks)](
-            xp, g.reshape(1), packed, scale, num_blocks, BLOCK_B=block_b
-        )
-    return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), g, x.shape, x.dtype)
+    packed, scale, g = torch.ops.polestar.nvfp4_quantize(x)
+    return NVFP4Tensor(packed, scale, g, x.shape, x.dtype)
 
 
-def nvfp4_dequantize_triton(t: NVFP4Tensor) -> Tensor:
-    """Triton version of :func:`reference_nvfp4_dequantize` (bit-identical for fp32/fp16/bf16).
+def _nvfp4_dequantize_fake(
+    packed: Tensor, scale_bits: Tensor, global_scale: Tensor, d: int, dtype: torch.dtype
+) -> Tensor:
+    out = packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype)
+    return out[..., :d]
 
-    Args:
-        t: NVFP4Tensor with ``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``.
 
-    Returns:
-        ``t.shape`` tensor of ``t.dtype``.
+@register_op("nvfp4_dequantize", fake=_nvfp4_dequantize_fake)
+def _nvfp4_dequantize_op(
+    packed: Tensor, scale_bits: Tensor, global_scale: Tensor, d: int, dtype: torch.dtype
+) -> Tensor:
+    """``polestar::nvfp4_dequantize``: ``packed [..., Dp // 2]`` ... -> ``[..., d]`` of ``dtype``.
+
+    ``scale_bits`` is the e4m3 block scale viewed as uint8 (float8 inputs break the CPU schema
+    check of ``torch.library.opcheck``, which compares inputs with ``allclose``).
     """
-    require_triton()
-    packed = t.packed.contiguous()
-    scale = t.block_scale.contiguous().view(torch.uint8)
+    packed = packed.contiguous()
+    scale = scale_bits.contiguous()
     num_blocks = scale.numel()
-    out = torch.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=t.dtype, device=packed.device)
-    is_bf16 = t.dtype == torch.bfloat16
+    out = torch.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype, device=packed.device)
+    is_bf16 = dtype == torch.bfloat16
     if num_blocks > 0:
         block_b = min(_BLOCK_B, next_pow2(num_blocks))
         _quant_kernels.nvfp4_dequant_kernel[_grid(num_blocks)](
             packed,
             scale,
-            t.global_scale.float().reshape(1),
+            global_scale.float().reshape(1),
             out.view(torch.int16) if is_bf16 else out,
             num_blocks,
             BF16_BITS=is_bf16,
             BLOCK_B=block_b,
         )
-    return out[..., : t.shape[-1]]
+    return out[..., :d]
+
+
+def nvfp4_dequantize_triton(t: NVFP4Tensor) -> Tensor:
+    """Triton version of :func:`reference_nvfp4_dequantize` (bit-identical for fp32/fp16/bf16).
+
+    Runs as the opaque op ``torch.ops.polestar.nvfp4_dequantize(packed, block_scale bits as
+    uint8, global_scale, D, dtype)``.
+
+    Args:
+        t: NVFP4Tensor with ``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``.
+
+    Returns:
+        ``t.shape`` tensor of ``t.dtype`` (a view cropping the padding when ``D % 16 != 0``).
+    """
+    require_triton()
+    scale_bits = t.block_scale.view(torch.uint8)
+    return torch.ops.polestar.nvfp4_dequantize(t.packed, scale_bits, t.global_scale, t.shape[-1], t.dtype)
 
 
 _NVFP4_Q = {"reference": reference_nvfp4_quantize, "triton": nvfp4_quantize_triton}

@@ -97,11 +97,11 @@ def test_prompt_layout(task_and_problems):
     task, problems = task_and_problems
     for p in problems[:20]:
         prompt = task.format_prompt(p.input)
-        assert prompt.endswith("=")
+        assert prompt.rstrip(" ").endswith("=")
         assert p.input in prompt
         tag = p.input.split(":")[0] if task.name == "parallel" else task.name
-        assert prompt.lstrip(" ").startswith(tag + ":")
-        assert len(prompt) == PROMPT_WIDTH  # left-padded so the answer always starts at the same position
+        assert prompt.startswith(tag + ":")
+        assert len(prompt) == PROMPT_WIDTH  # padded so the answer always starts at the same position
 
 
 def test_wrong_answers_fail(task_and_problems):
@@ -144,7 +144,7 @@ def test_clean_generation():
 
 def test_arith_format_and_final_answer():
     task = get_task("arith")
-    assert task.format_prompt("3+4*2-5") == "arith:3+4*2-5=".rjust(PROMPT_WIDTH)
+    assert task.format_prompt("3+4*2-5") == "arith:3+4*2-5=".ljust(PROMPT_WIDTH)
     assert task.check("3+4*2-5", "3+4=7,7*2=4,4-5=9")
     assert task.check("3+4*2-5", "3+4=7,7*2=4,4-5=9,=9")
     assert not task.check("3+4*2-5", "3+4=7,7*2=4,4-5=8")
@@ -287,9 +287,9 @@ def test_parallel_formats():
     assert get_task("reverse").check("abcd", "dcba")
     assert not get_task("reverse").check("abcd", "abcd")
     assert get_task("sort").check("db3a", "3abd")
-    assert get_task("reverse").format_prompt("abcd") == "reverse:abcd=".rjust(PROMPT_WIDTH)
+    assert get_task("reverse").format_prompt("abcd") == "reverse:abcd=".ljust(PROMPT_WIDTH)
     mix = get_task("parallel")
-    assert mix.format_prompt("reverse:abcd") == "reverse:abcd=".rjust(PROMPT_WIDTH)
+    assert mix.format_prompt("reverse:abcd") == "reverse:abcd=".ljust(PROMPT_WIDTH)
     assert mix.check("reverse:abcd", "dcba")
     assert mix.check("pick:cat|dog", "dog")
     with pytest.raises(ValueError):

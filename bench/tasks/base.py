@@ -88,17 +88,20 @@ def clean_generation(generation: str) -> str:
     return generation[:cut].strip()
 
 
-#: Every prompt is left-padded with spaces to this many characters, so the answer always starts at the same
+#: Every prompt is right-padded with spaces to this many characters, so the answer always starts at the same
 #: position (the tiny models learn much faster when the answer region does not move).
 PROMPT_WIDTH = 32
 
 
 def tagged_prompt(tag: str, input: str) -> str:
-    """The suite's common prompt layout: ``f"{tag}:{input}="``, left-padded with spaces to :data:`PROMPT_WIDTH`.
+    """The suite's common prompt layout: ``f"{tag}:{input}="``, right-padded with spaces to :data:`PROMPT_WIDTH`.
+
+    Both the input and the answer then start at fixed positions (the input at ``len(tag) + 1``, the answer at
+    :data:`PROMPT_WIDTH`), so a token's relation to the input characters it depends on is a fixed offset.
 
     Prompts longer than :data:`PROMPT_WIDTH` (none of the registered tasks produces one) are left as they are.
     """
-    return f"{tag}:{input}=".rjust(PROMPT_WIDTH)
+    return f"{tag}:{input}=".ljust(PROMPT_WIDTH)
 
 
 def _hash_int(text: str) -> int:

@@ -1,0 +1,71 @@
+"""``torch.library`` registration of the Triton kernels as opaque ``polestar::*`` operators.
+
+Every ``*_triton`` wrapper of :mod:`polestar.kernels` calls a custom operator
+``torch.ops.polestar.<name>`` whose implementation launches the Triton kernel and whose *fake*
+(meta) implementation only allocates outputs of the right shape / dtype / strides.  Dynamo and
+AOTAutograd therefore trace each kernel as one opaque graph node (no graph break, no attempt to
+run Triton on FakeTensors); Inductor calls it as an extern kernel.
+
+Why ``torch.library.custom_op`` + ``register_fake`` and not ``torch.library.triton_op``:
+``triton_op`` derives its fake implementation by running the Python body on FakeTensors with
+``wrap_triton`` turning launches into no-op HOP calls, and lets AOTAutograd inline the body.
+Under ``TRITON_INTERPRET=1`` (how the CPU test-suite runs every kernel) ``@triton.jit`` yields an
+``InterpretedFunction``, for which ``wrap_triton`` (torch 2.13) returns the raw kernel: the fake
+pass then *executes* the interpreter on FakeTensors and fails ("Attempted to set the storage of
+a tensor on device meta ..."), so neither ``torch.compile`` nor ``torch.library.opcheck`` work
+on such ops.  ``custom_op`` behaves identically with and without the interpreter, so the
+registered ops are exactly what the tests check.  (Switching to ``triton_op`` on a GPU-only code
+path would let Inductor fuse around the kernels; it is not done because it could not be tested.)
+
+Registration is skipped when Triton is not importable (the ``*_triton`` wrappers raise first),
+never launches a kernel at import time, and is idempotent: if ``polestar::<name>`` already
+exists (e.g. a module was reloaded) the existing operator is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ._backend import HAS_TRITON
+
+NAMESPACE = "polestar"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+REGISTERED: list[str] = []
+"""Qualified names (``"polestar::kl_drift"`` ...) of the operators registered so far."""
+
+
+def _existing(name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def register_op(name: str, fake: Callable[..., Any]) -> Callable[[F], F]:
+    """Decorator: register ``fn`` as the opaque custom op ``polestar::<name>`` with ``fake``.
+
+    ``fn`` needs type annotations (they define the schema, e.g. ``(Tensor p, Tensor q, float
+    eps) -> Tensor``) and must return fresh tensors (no aliasing of inputs or of each other).
+    ``fake`` has the same signature and returns empty tensors with the shapes / dtypes / strides
+    ``fn`` would return.  The decorated function is returned unchanged; call the op as
+    ``torch.ops.polestar.<name>(...)``.  Without Triton nothing is registered.
+    """
+
+    def deco(fn: F) -> F:
+        qualname = f"{NAMESPACE}::{name}"
+        if not HAS_TRITON:
+            return fn
+        if not _existing(name):
+            op = torch.library.custom_op(qualname, fn, mutates_args=())
+            op.register_fake(fake)
+        if qualname not in REGISTERED:
+            REGISTERED.append(qualname)
+        return fn
+
+    return deco
