@@ -19,8 +19,18 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _proxy_scores(
-    q, k_base, valid_base, start, T, HD, scale, stride_kt, stride_kd, stride_vt,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    q,
+    k_base,
+    valid_base,
+    start,
+    T,
+    HD,
+    scale,
+    stride_kt,
+    stride_kd,
+    stride_vt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Scores ``[BLOCK_T]`` fp32 of one query ``q [BLOCK_D]`` against keys ``start .. start+BLOCK_T``."""
     offs_t = start + tl.arange(0, BLOCK_T)
@@ -74,7 +84,9 @@ def proxy_attention_kernel(
     b = bh // H
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(
-        q_ptr + b * stride_qb + h * stride_qh + p * stride_qp + offs_d * stride_qd, mask=offs_d < HD, other=0.0
+        q_ptr + b * stride_qb + h * stride_qh + p * stride_qp + offs_d * stride_qd,
+        mask=offs_d < HD,
+        other=0.0,
     ).to(tl.float32)
     k_base = k_ptr + b * stride_kb + (h // GROUP) * stride_kh
     valid_base = valid_ptr + b * stride_vb
@@ -139,12 +151,15 @@ def gathered_attention_kernel(
 
     Flash-attention style: one program per (b * H + h, block of ``BLOCK_M`` queries); keys and
     values stream in ``BLOCK_N`` chunks with an online softmax (running max ``m``, rescaled
-    denominator ``l`` and accumulator ``acc`` in fp32).  ``q @ k^T`` uses the input dtype with
-    fp32 accumulation (``ieee`` precision for fp32, i.e. no TF32); the probabilities are cast to
-    the value dtype for ``p @ v`` as in FlashAttention.  ``DOT_FP32`` upcasts q / k / v to fp32
-    before both dots instead (set under ``TRITON_INTERPRET=1``, whose ``tl.dot`` multiplies the
-    raw uint16 storage of bf16 tiles as integers; a bf16 x bf16 product is exact in fp32, so only
-    the rounding of ``p`` to bf16 is skipped).
+    denominator ``l`` and accumulator ``acc`` in fp32).
+
+    ``DOT_FP32=False`` (fp16 / bf16 inputs on GPU): both dots take the input dtype with fp32
+    accumulation, the probabilities being cast to the value dtype for ``p @ v`` as in
+    FlashAttention.  ``DOT_FP32=True`` (fp32 inputs, and any dtype under ``TRITON_INTERPRET=1``,
+    whose ``tl.dot`` multiplies the raw uint16 storage of bf16 tiles as integers): q / k / v are
+    upcast to fp32 and both dots use ``ieee`` precision (no TF32).  A bf16 x bf16 product is
+    exact in fp32, so this differs from the GPU bf16 path only by summation order and by not
+    rounding ``p`` to bf16.
     """
     bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -173,10 +188,13 @@ def gathered_attention_kernel(
         offs_t = start + offs_n
         in_t = offs_t < T
         kv_mask = in_t[:, None] & in_d[None, :]
-        k = tl.load(k_base + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_base + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
+        )
         if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         ok = tl.load(valid_base + offs_t * stride_mt, mask=in_t, other=0) != 0
         s = tl.where(ok[None, :], s, NEG_INF)
         m_new = tl.maximum(m_i, reduce_max(s, axis=1))
@@ -184,10 +202,14 @@ def gathered_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + reduce_sum(p, axis=1)
-        v = tl.load(v_base + offs_t[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        v = tl.load(
+            v_base + offs_t[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
+        )
         if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     has_valid = l_i > 0.0
     out = tl.where(has_valid[:, None], acc / tl.where(has_valid, l_i, 1.0)[:, None], 0.0)

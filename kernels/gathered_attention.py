@@ -36,8 +36,8 @@ __all__ = [
     "reference_gathered_attention",
 ]
 
-_BLOCK_M_MAX = 64  # queries per program
-_BLOCK_N_MAX = 64  # keys per block (32 when hd > 128)
+_BLOCK_M_MAX = 64  # queries per program (halved when hd > 128)
+_BLOCK_N_MAX = 64  # keys per block (halved for 512-byte key rows, 16 beyond)
 
 
 def _check_gathered_args(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor) -> None:
@@ -46,7 +46,9 @@ def _check_gathered_args(q: Tensor, keys: Tensor, values: Tensor, key_valid: Ten
         raise TypeError(f"q, keys and values must share a dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
 
 
-def reference_gathered_attention(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+def reference_gathered_attention(
+    q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float
+) -> Tensor:
     """Masked GQA attention of gathered queries over all keys (torch reference).
 
     Method: ``out = softmax_t((q . k) * scale, key_valid) @ v`` per head, kv head
@@ -75,12 +77,16 @@ def reference_gathered_attention(q: Tensor, keys: Tensor, values: Tensor, key_va
 # ----------------------------------------------------------------------------- triton
 
 
-def _gathered_attention_fake(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+def _gathered_attention_fake(
+    q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float
+) -> Tensor:
     return q.new_empty(q.shape)
 
 
 @register_op("gathered_attention", fake=_gathered_attention_fake)
-def _gathered_attention_op(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+def _gathered_attention_op(
+    q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float
+) -> Tensor:
     """``polestar::gathered_attention``: launches ``gathered_attention_kernel`` (arguments checked)."""
     b, h, c, d = q.shape
     hkv, t = keys.shape[1], keys.shape[2]
@@ -88,8 +94,11 @@ def _gathered_attention_op(q: Tensor, keys: Tensor, values: Tensor, key_valid: T
     if out.numel() > 0:
         valid = key_valid.view(torch.uint8)
         block_d = max(16, next_pow2(d))  # tl.dot needs every block dim >= 16
-        block_m = min(_BLOCK_M_MAX, max(16, next_pow2(c)))
-        block_n = min(_BLOCK_N_MAX if block_d <= 128 else max(16, _BLOCK_N_MAX // 2), max(16, next_pow2(t)))
+        row_bytes = block_d * q.element_size()  # smaller key blocks for wide rows (shared memory)
+        block_n_max = _BLOCK_N_MAX if row_bytes <= 256 else _BLOCK_N_MAX // 2 if row_bytes <= 512 else 16
+        block_m_max = _BLOCK_M_MAX if block_d <= 128 else _BLOCK_M_MAX // 2
+        block_m = min(max(16, block_m_max), max(16, next_pow2(c)))
+        block_n = min(max(16, block_n_max), max(16, next_pow2(t)))
         grid = (b * h, -(-c // block_m))
         kernel = _attention_kernels.gathered_attention_kernel
         dot_fp32 = q.dtype == torch.float32 or is_interpreted(kernel)
@@ -97,15 +106,18 @@ def _gathered_attention_op(q: Tensor, keys: Tensor, values: Tensor, key_valid: T
             q, keys, values, valid, out, h, c, t, d, h // hkv, scale,
             *q.stride(), *keys.stride(), *values.stride(), *valid.stride(),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32,
+            num_warps=4 if block_d <= 64 else 8,
         )  # fmt: skip
     return out
 
 
-def gathered_attention_triton(q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float) -> Tensor:
+def gathered_attention_triton(
+    q: Tensor, keys: Tensor, values: Tensor, key_valid: Tensor, scale: float
+) -> Tensor:
     """Triton version of :func:`reference_gathered_attention` (same signature, shapes, semantics).
 
-    Method: FlashAttention-2 style forward pass: one program per ``(b * H + h, block of up to 64
-    queries)``; key / value blocks of up to 64 positions are streamed with an online softmax
+    Method: FlashAttention-2 style forward pass (Dao, 2023): one program per ``(b * H + h, block
+    of up to 64 queries)``; key / value blocks of up to 64 positions stream with an online softmax
     (running max, rescaled denominator and fp32 accumulator), masked keys get ``-inf`` scores and
     query rows without a valid key are written as 0.  ``q @ k^T`` runs in the input dtype with
     fp32 accumulation (full fp32, no TF32, for fp32 inputs); probabilities are cast to the value

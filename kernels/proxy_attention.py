@@ -49,7 +49,9 @@ def check_attention_args(q: Tensor, keys: Tensor, key_valid: Tensor, values: Ten
     than ``keys``; ``TypeError`` for non-floating ``q`` / ``keys`` / ``values``.
     """
     if q.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"expected q [B, H, Q, hd] and keys [B, Hkv, T, hd], got {tuple(q.shape)}, {tuple(keys.shape)}")
+        raise ValueError(
+            f"expected q [B, H, Q, hd] and keys [B, Hkv, T, hd], got {tuple(q.shape)}, {tuple(keys.shape)}"
+        )
     b, h, _, d = q.shape
     bk, hkv, t, dk = keys.shape
     if b != bk or d != dk:
@@ -153,7 +155,9 @@ def proxy_attention_triton(q: Tensor, keys: Tensor, key_valid: Tensor, scale: fl
 _PROXY = {"reference": reference_proxy_attention, "triton": proxy_attention_triton}
 
 
-def proxy_attention(q: Tensor, keys: Tensor, key_valid: Tensor, scale: float, backend: str = "auto") -> Tensor:
+def proxy_attention(
+    q: Tensor, keys: Tensor, key_valid: Tensor, scale: float, backend: str = "auto"
+) -> Tensor:
     """Proxy-query attention probabilities ``[B, H, P, hd], [B, Hkv, T, hd], [B, T] -> [B, H, P, T]`` fp32.
 
     ``backend``: ``"auto"`` (Triton on CUDA when available, else torch), ``"triton"`` or

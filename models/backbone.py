@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polestar.kernels.proxy_attention import proxy_attention
+
 from .layers import Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
@@ -218,12 +220,7 @@ class DiffusionLM(nn.Module):
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """Softmax attention of queries ``[B, H, R, hd]`` over cached keys ``[B, Hkv, T+1, hd]`` → fp32
         ``[B, H, R, T+1]`` with masked keys at probability 0."""
-        group = self.spec.n_heads // self.spec.n_kv_heads
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) / math.sqrt(self.spec.head_dim)
-        scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
-        return scores.softmax(-1)
+        return proxy_attention(q, keys, key_valid, 1.0 / math.sqrt(self.spec.head_dim))
 
     def proxy_attention(
         self, layer: int, vectors: torch.Tensor, cache: DecodeCache, positions: torch.Tensor | None = None

@@ -29,6 +29,7 @@ _REQUIRED = {
     "input_emb_norm": (False, None),
     "scale_logits": (False, None),
     "multi_query_attention": (None, False),
+    "layer_norm_with_affine": (True, None),
 }
 
 
@@ -66,6 +67,7 @@ def llada_spec(cfg: dict[str, Any]) -> ModelSpec:
         qkv_bias=include_bias or bool(cfg.get("include_qkv_bias", False)),
         out_bias=include_bias,
         mlp_bias=include_bias,
+        norm_bias=include_bias if cfg.get("bias_for_layer_norm") is None else bool(cfg["bias_for_layer_norm"]),
         tie_embeddings=bool(cfg.get("weight_tying", False)),
         logit_shift=0,
     )
@@ -90,14 +92,14 @@ def llada_config(spec: ModelSpec) -> dict[str, Any]:
         "rms_norm_eps": spec.norm_eps,
         "layer_norm_type": "rms",
         "layer_norm_with_affine": True,
-        "bias_for_layer_norm": False,
+        "bias_for_layer_norm": spec.norm_bias,
         "block_type": "llama",
         "activation_type": "silu",
         "alibi": False,
         "attention_layer_norm": False,
         "input_emb_norm": False,
         "scale_logits": False,
-        "include_bias": False,
+        "include_bias": spec.out_bias,
         "include_qkv_bias": spec.qkv_bias,
         "weight_tying": spec.tie_embeddings,
         "max_sequence_length": spec.max_seq_len,
@@ -118,8 +120,8 @@ class _LLaDABlock(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         d, kv = spec.d_model, spec.n_kv_heads * spec.head_dim
-        self.attn_norm = RMSNorm(d, spec.norm_eps, bias=spec.out_bias)
-        self.ff_norm = RMSNorm(d, spec.norm_eps, bias=spec.out_bias)
+        self.attn_norm = RMSNorm(d, spec.norm_eps, bias=spec.norm_bias)
+        self.ff_norm = RMSNorm(d, spec.norm_eps, bias=spec.norm_bias)
         self.q_proj = nn.Linear(d, d, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(d, kv, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(d, kv, bias=spec.qkv_bias)
@@ -142,7 +144,7 @@ class LLaDA(DiffusionLM):
             {
                 "wte": nn.Embedding(spec.embedding_size, spec.d_model),
                 "blocks": nn.ModuleList(_LLaDABlock(spec) for _ in range(spec.n_layers)),
-                "ln_f": RMSNorm(spec.d_model, spec.norm_eps, bias=spec.out_bias),
+                "ln_f": RMSNorm(spec.d_model, spec.norm_eps, bias=spec.norm_bias),
             }
         )
         if not spec.tie_embeddings:

@@ -38,6 +38,7 @@ class ModelSpec:
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
+    norm_bias: bool = False
     tie_embeddings: bool = False
     logit_shift: int = attrs.field(default=0, validator=v.in_((0, 1)))
 

@@ -3,7 +3,7 @@
 Masked-diffusion objective (LLaDA, also used for the Dream variant since its logits are pre-shifted so that
 ``logits[:, i]`` predicts token ``i`` in both families):
 
-* a training sequence is the formatted prompt (every prompt is left-padded to ``PROMPT_WIDTH`` characters, so
+* a training sequence is the formatted prompt (``format_prompt`` pads every prompt with spaces to ``PROMPT_WIDTH`` characters, so
   the answer always starts at the same position) followed by an answer region of exactly ``GEN`` tokens: the
   answer characters, then EOS fill;
 * per sequence ``t ~ U(eps, 1)`` (stratified over the batch); each answer-region token is replaced by the mask
@@ -264,7 +264,7 @@ def train(args: argparse.Namespace) -> dict:
     model.tokenizer = tok
     model.train()
     params = n_params(model)
-    log({"event": "start", "argv": sys.argv, "family": args.family, "params": params,
+    log({"event": "start", "argv": sys.argv, "args": vars(args), "family": args.family, "params": params,
          "spec": {k: getattr(model.spec, k) for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden",
                                                        "vocab_size", "rope_theta", "max_seq_len")},
          "mixture": args.tasks})
@@ -385,7 +385,7 @@ Command (from the repository root, installed as `polestar`):
 {cmd}
 ```
 
-* Objective: LLaDA masked diffusion. Sequence = prompt (left-padded with spaces to 32 characters by
+* Objective: LLaDA masked diffusion. Sequence = prompt (padded with spaces to 32 characters by
   `format_prompt`) + answer region of exactly {GEN} tokens (answer characters, then EOS fill). Per sequence
   t ~ U({args.eps:g}, 1) (stratified across the batch); each answer-region token is masked with probability t;
   cross-entropy on masked positions weighted by 1/t; EOS fill after the first EOS weighted {args.eos_weight:g};
@@ -413,7 +413,53 @@ took {summary['final_eval_time_s'] / 60:.1f} min.
     (out / "README.md").write_text(text)
 
 
+def evaluate_checkpoint(out: str | Path, n: int = 200, threads: int = 1) -> dict[str, float]:
+    """Measure the final test accuracies of a checkpoint written by :func:`train` (e.g. one whose run was stopped
+    before its final evaluation), append them to its ``train_log.jsonl`` and rewrite its ``README.md``."""
+    from .loading import load_model
+
+    torch.set_num_threads(threads)
+    out = Path(out)
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    start = next(r for r in records if r.get("event") == "start")
+    trained = next((r for r in records if r.get("event") == "trained"), None)
+    if "args" in start:
+        args = argparse.Namespace(**start["args"])
+    else:  # logs written before the parsed arguments were recorded
+        args = build_parser().parse_args(start["argv"][1:])
+    args.final_n = n
+    model = load_model(out)
+    te = time.time()
+    acc = evaluate(model, list(DEFAULT_MIXTURE), n, seed=0)
+    eval_s = time.time() - te
+    with (out / "train_log.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "final_eval", "n": n, "acc": acc, "time_s": round(eval_s, 1), **EVAL_DECODE}) + "\n")
+    steps = trained["steps"] if trained else max(r.get("step", 0) for r in records)
+    summary = {"steps": steps, "train_time_s": trained["train_time_s"] if trained else float("nan"),
+               "final_eval_time_s": eval_s, "params": n_params(model), "final_acc": acc,
+               "loss_ema": trained["final_loss_ema"] if trained else float("nan")}
+    argv0 = sys.argv
+    sys.argv = start["argv"]
+    try:
+        write_model_card(out, args, model, summary)
+    finally:
+        sys.argv = argv0
+    print("final accuracy (n=%d): %s" % (n, json.dumps(acc)), flush=True)
+    return acc
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--eval-only" in argv:
+        # python -m polestar.models.train --eval-only --out DIR [--final-n 200] [--threads 1]
+        p = argparse.ArgumentParser(prog="python -m polestar.models.train --eval-only")
+        p.add_argument("--eval-only", action="store_true")
+        p.add_argument("--out", required=True)
+        p.add_argument("--final-n", type=int, default=200)
+        p.add_argument("--threads", type=int, default=1)
+        a = p.parse_args(argv)
+        evaluate_checkpoint(a.out, a.final_n, a.threads)
+        return
     args = build_parser().parse_args(argv)
     train(args)
 

@@ -10,7 +10,7 @@ from polestar.bench.tasks import get_task
 from polestar.bench.tasks.base import PROMPT_WIDTH
 from polestar.models.loading import load_model
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
-from polestar.models.train import GEN, Batcher, build_parser, train
+from polestar.models.train import DEFAULT_MIXTURE, GEN, Batcher, build_parser, evaluate_checkpoint, train
 
 
 def test_batcher_layout():
@@ -19,7 +19,7 @@ def test_batcher_layout():
     assert P == PROMPT_WIDTH and ids.shape == (8, PROMPT_WIDTH + GEN) and bool(att.all())
     eos = special_ids(tok)["eos"]
     assert bool((ids[:, -1] == eos).all())  # answer region ends in EOS fill
-    assert get_task("copy").format_prompt("ab").endswith("copy:ab=")
+    assert get_task("copy").format_prompt("ab").strip() == "copy:ab="
 
 
 def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
@@ -45,3 +45,8 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
     x[:, 20:] = model.spec.mask_id
     with torch.no_grad():
         assert torch.equal(model(x), loaded(x))
+
+    # the stand-alone final evaluation appends to the log and rewrites the model card
+    acc = evaluate_checkpoint(out, n=1)
+    assert set(acc) == set(DEFAULT_MIXTURE) and all(0.0 <= v <= 1.0 for v in acc.values())
+    assert "| arith |" in (out / "README.md").read_text()

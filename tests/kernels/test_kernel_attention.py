@@ -121,7 +121,9 @@ def test_reference_gathered_matches_sdpa_on_rows_with_a_valid_key(problem):
     q, k, v, valid, scale = problem
     out = ga.reference_gathered_attention(q, k, v, valid, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    sdpa = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
     rows = valid.any(-1)
     torch.testing.assert_close(out[rows], sdpa[rows], rtol=1e-5, atol=1e-5)
     assert (out[~rows] == 0).all()
