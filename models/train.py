@@ -338,7 +338,7 @@ def train(args: argparse.Namespace) -> dict:
         final = evaluate(model, list(DEFAULT_MIXTURE), args.final_n, seed=0)
         eval_s = time.time() - te
         log({"event": "final_eval", "n": args.final_n, "acc": final, "time_s": round(eval_s, 1), **EVAL_DECODE})
-        print("final accuracy (n=%d): %s" % (args.final_n, json.dumps(final)), flush=True)
+        print(f"final accuracy (n={args.final_n}): {json.dumps(final)}", flush=True)
     summary = {"model": model, "steps": step, "train_time_s": train_time, "final_eval_time_s": eval_s, "params": params,
                "final_acc": final, "loss_ema": ema, "history": history}
     write_model_card(out, args, model, summary)
@@ -444,7 +444,7 @@ def evaluate_checkpoint(out: str | Path, n: int = 200, threads: int = 1) -> dict
         write_model_card(out, args, model, summary)
     finally:
         sys.argv = argv0
-    print("final accuracy (n=%d): %s" % (n, json.dumps(acc)), flush=True)
+    print(f"final accuracy (n={n}): {json.dumps(acc)}", flush=True)
     return acc
 
 

@@ -2,7 +2,7 @@
 
 from polestar.policy import PolicySpec, register_policy
 
-from . import (  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration side effects)
     cluster,
     commit_adaptive,
     commit_basic,
@@ -14,49 +14,30 @@ from . import (  # noqa: F401  (registration)
     refresh_polestar,
 )
 
-register_policy(PolicySpec(
-    "baseline", {"refresh": "full", "commit": "topk"},
-    description="LLaDA: no cache, a fixed number of tokens per step (steps spread over blocks)",
-))
-register_policy(PolicySpec(
-    "parallel", {"refresh": "full", "commit": "threshold"},
-    description="No cache, Fast-dLLM threshold commit (confidence >= threshold, at least the most confident)",
-))
-register_policy(PolicySpec(
-    "fast-dllm-prefix", {"refresh": "prefix", "commit": "threshold"},
-    description="Fast-dLLM prefix cache (refreshed at each block start) + threshold commit",
-))
-register_policy(PolicySpec(
-    "fast-dllm", {"refresh": "dual", "commit": "threshold"},
-    description="Fast-dLLM dual cache (prefix and suffix K/V reused inside a block) + threshold commit",
-))
-
 _DRIFT_STAGES = {"drift": "kl", "cluster": "kmeans", "quant": "nvfp4", "offload": "none"}
-register_policy(PolicySpec(
-    "polestar-cache", {"refresh": "polestar", "commit": "threshold", **_DRIFT_STAGES},
-    description="Polestar-Cache: dual cache + drift-aware sparse updates of the local window, threshold commit",
-))
-register_policy(PolicySpec(
-    "elastic-cache", {"refresh": "elastic", "commit": "threshold"},
-    description="Elastic-Cache: dual cache, recompute from the layer where tracked attention drifts past gamma",
-))
-register_policy(PolicySpec(
-    "dllm-cache", {"refresh": "dllm-cache", "commit": "threshold"},
-    description="dLLM-Cache: interval prompt/response refresh + value-change-driven partial updates",
-))
-register_policy(PolicySpec(
-    "polestar", {"refresh": "polestar", "commit": "polestar", **_DRIFT_STAGES},
-    description="Polestar: drift-aware sparse cache updates + drift-delta early commit + suffix-block commit",
-))
-register_policy(PolicySpec(
-    "polestar-commit", {"refresh": "dual", "commit": "polestar"},
-    description="Polestar-Commit alone: dual cache + drift-delta early commit (no update packets, no suffix commit)",
-))
-register_policy(PolicySpec(
-    "eb", {"refresh": "dual", "commit": "entropy-bound"},
-    description="EB-sampler: dual cache + entropy-bounded commit",
-))
-register_policy(PolicySpec(
-    "klass", {"refresh": "dual", "commit": "klass"},
-    description="KLASS: dual cache + KL-stability commit",
-))
+
+# name, refresh, commit, extra stages, description
+_POLICIES = [
+    ("baseline", "full", "topk", {}, "LLaDA: no cache, a fixed number of tokens per step (steps spread over blocks)"),
+    ("parallel", "full", "threshold", {},
+     "No cache, Fast-dLLM threshold commit (confidence >= threshold, at least the most confident)"),
+    ("fast-dllm-prefix", "prefix", "threshold", {},
+     "Fast-dLLM prefix cache (refreshed at each block start) + threshold commit"),
+    ("fast-dllm", "dual", "threshold", {},
+     "Fast-dLLM dual cache (prefix and suffix K/V reused inside a block) + threshold commit"),
+    ("polestar-cache", "polestar", "threshold", _DRIFT_STAGES,
+     "Polestar-Cache: dual cache + drift-aware sparse updates of the local window, threshold commit"),
+    ("elastic-cache", "elastic", "threshold", {},
+     "Elastic-Cache: dual cache, recompute from the layer where tracked attention drifts past gamma"),
+    ("dllm-cache", "dllm-cache", "threshold", {},
+     "dLLM-Cache: interval prompt/response refresh + value-change-driven partial updates"),
+    ("polestar", "polestar", "polestar", _DRIFT_STAGES,
+     "Polestar: drift-aware sparse cache updates + drift-delta early commit + suffix-block commit"),
+    ("polestar-commit", "dual", "polestar", {},
+     "Polestar-Commit alone: dual cache + drift-delta early commit (no update packets, no suffix commit)"),
+    ("eb", "dual", "entropy-bound", {}, "EB-sampler: dual cache + entropy-bounded commit"),
+    ("klass", "dual", "klass", {}, "KLASS: dual cache + KL-stability commit"),
+]
+
+for _name, _refresh, _commit, _extra, _description in _POLICIES:
+    register_policy(PolicySpec(_name, {"refresh": _refresh, "commit": _commit, **_extra}, description=_description))

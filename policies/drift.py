@@ -22,40 +22,44 @@ class DriftMetric(Stage):
         raise NotImplementedError
 
 
+class _PairwiseDrift(DriftMetric):
+    """A row-wise divergence from :mod:`polestar.kernels.drift`, averaged over heads."""
+
+    def score(self, cur, prev):
+        return type(self).divergence(cur, prev, self.config.eps).mean(dim=1)
+
+
 @register("drift", "kl")
-class KLDrift(DriftMetric):
+class KLDrift(_PairwiseDrift):
     """KL(cur ‖ prev) per head, averaged over heads (Polestar's drift). ``[B, H, R, T]`` ×2 → ``[B, R]``."""
+
+    divergence = staticmethod(kl_drift)
 
     @attrs.frozen
     class Config:
         eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
-
-    def score(self, cur, prev):
-        return kl_drift(cur, prev, self.config.eps).mean(dim=1)
 
 
 @register("drift", "js")
-class JSDrift(DriftMetric):
+class JSDrift(_PairwiseDrift):
     """Jensen–Shannon divergence per head, averaged over heads. ``[B, H, R, T]`` ×2 → ``[B, R]``."""
+
+    divergence = staticmethod(js_drift)
 
     @attrs.frozen
     class Config:
         eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
 
-    def score(self, cur, prev):
-        return js_drift(cur, prev, self.config.eps).mean(dim=1)
-
 
 @register("drift", "cosine")
-class CosineDrift(DriftMetric):
+class CosineDrift(_PairwiseDrift):
     """1 − cosine similarity of attention rows per head, averaged over heads. ``[B, H, R, T]`` ×2 → ``[B, R]``."""
+
+    divergence = staticmethod(cosine_drift)
 
     @attrs.frozen
     class Config:
-        pass
-
-    def score(self, cur, prev):
-        return cosine_drift(cur, prev).mean(dim=1)
+        eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
 
 
 @register("drift", "uncertainty")
