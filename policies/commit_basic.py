@@ -33,7 +33,7 @@ def _low_confidence(pred: Prediction, state: DecodeState) -> torch.Tensor:
 
 
 def _random(pred: Prediction, state: DecodeState) -> torch.Tensor:
-    scores = torch.rand(pred.confidence.shape, generator=state.generator, device="cpu", dtype=torch.float32)
+    scores = torch.rand(pred.confidence.shape, generator=state.generator, device=state.generator.device)
     return scores.to(pred.confidence.device, torch.float64)
 
 
