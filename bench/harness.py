@@ -197,7 +197,7 @@ def _progress(total: int, show: bool):
 
 def run_bench_cli(args, options: dict[str, Any]) -> int:
     decoding = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                    temperature=args.temperature, seed=args.seed)
+                    temperature=args.temperature, seed=args.seed, compile=args.compile)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
                        args.dtype, args.device)

@@ -39,6 +39,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
 
 
 def cmd_generate(args) -> int:
@@ -52,7 +53,7 @@ def cmd_generate(args) -> int:
         prompts = [get_task(args.task).format_prompt(p) for p in args.prompt]
     out = polestar.generate(
         model, prompts, policy=args.policy, gen_length=args.gen_length, block_length=args.block_length,
-        steps=args.steps, temperature=args.temperature, seed=args.seed, **parse_sets(args.set),
+        steps=args.steps, temperature=args.temperature, seed=args.seed, compile=args.compile, **parse_sets(args.set),
     )
     if args.json:
         print(json.dumps({

@@ -1,0 +1,69 @@
+"""The command line and the bench harness on a small random checkpoint with the project's tokenizer."""
+
+import json
+
+import pytest
+
+from polestar.bench.harness import wilson_interval
+from polestar.cli import main
+from polestar.models.loading import build_model, save_model
+from polestar.models.tokenizer import build_char_tokenizer, special_ids
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tok = build_char_tokenizer()
+    ids = special_ids(tok)
+    vocab = tok.get_vocab_size()
+    spec = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, mlp_hidden=64, vocab_size=vocab,
+                embedding_size=vocab, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=128, mask_id=ids["mask"],
+                eos_id=ids["eos"], pad_id=ids["pad"])
+    path = tmp_path_factory.mktemp("ckpt")
+    save_model(build_model("llada", spec, seed=0), path, tokenizer=tok)
+    return str(path)
+
+
+def test_generate_json(checkpoint, capsys):
+    assert main(["generate", "--model", checkpoint, "--task", "arith", "--prompt", "3+4*2-5", "--prompt", "1+1",
+                 "--policy", "polestar", "--gen-length", "32", "--block-length", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["tokens"]) == 2 and len(out["texts"]) == 2
+    assert out["stats"]["nfe"] >= 1 and out["stages"]["refresh"]["name"] == "polestar"
+
+
+def test_policies_lists_every_policy(capsys):
+    assert main(["policies", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"baseline", "fast-dllm", "polestar", "polestar-cache", "eb", "klass"} <= set(info["policies"])
+    assert info["stages"]["commit"]["threshold"]["threshold"] == 0.9
+
+
+def test_clear_errors(checkpoint, capsys):
+    assert main(["generate", "--model", checkpoint, "--prompt", "x", "--policy", "nope"]) == 2
+    assert "registered policies" in capsys.readouterr().err
+    assert main(["generate", "--model", checkpoint, "--prompt", "x", "--set", "threshold=3"]) == 2
+    assert "threshold must be in [0, 1]" in capsys.readouterr().err
+    assert main(["bench", "--model", checkpoint, "--policies", "baseline", "--set", "thresold=0.5", "--n", "1"]) == 2
+    assert "unknown option 'thresold'" in capsys.readouterr().err
+
+
+def test_bench_writes_items_summary_and_plot(checkpoint, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input": "3+4", "output": "3+4=7"}\n{"input": "2*2", "output": "2*2=4"}\n')
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["bench", "--model", checkpoint, "--task", "arith", "--policies", "baseline,fast-dllm", "--n", "2",
+                 "--data", str(data), "--gen-length", "32", "--block-length", "16", "--json", str(out_json),
+                 "--plot", str(out_png), "--batch-size", "2"]) == 0
+    res = json.loads(out_json.read_text())
+    assert [i["input"] for i in res["items"]] == ["3+4", "2*2", "3+4", "2*2"]
+    assert set(res["items"][0]) == {"policy", "input", "generation", "correct", "nfe"}
+    for summary in res["summary"].values():
+        assert set(summary) >= {"accuracy", "accuracy_ci95", "tpf", "tps", "nfe", "token_layer_evals_per_token"}
+    assert out_png.stat().st_size > 0
+    assert "baseline" in capsys.readouterr().out
+
+
+def test_wilson_interval():
+    lo, hi = wilson_interval(50, 100)
+    assert lo < 0.5 < hi and abs((lo + hi) / 2 - 0.5) < 1e-9
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
