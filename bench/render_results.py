@@ -1,0 +1,41 @@
+"""Render docs/results.md from the JSON files written by bench/run_results.sh (``python bench/render_results.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from polestar.bench.harness import format_table
+
+RESULTS = Path("docs/results")
+HEADER = """# Results
+
+Measured on this project's CPU machine (2 cores, shared), with the shipped checkpoints `tiny-llada` and
+`tiny-dream` (≈1M parameters, trained 70 minutes each; see their model cards), greedy decoding, generation length
+64 in 4 blocks of 16, `threshold` 0.9 unless stated, n = {n} test problems per task. Reproduce with
+`bash bench/run_results.sh {n}` then `python bench/render_results.py`.
+
+Columns: accuracy with its 95% Wilson interval; TPF = generated non-EOS tokens per forward; TPS = tokens per
+second (noisy: several jobs shared the 2 cores); evals/tok = token-layer evaluations (positions computed, summed
+over layers and steps) per generated token; NFE = forward passes per problem.
+
+"""
+
+
+def main() -> None:
+    files = sorted(RESULTS.glob("*.json"))
+    n = next((json.loads(f.read_text())["n"] for f in files), 0)
+    parts = [HEADER.format(n=n)]
+    for f in files:
+        res = json.loads(f.read_text())
+        thr = res.get("options", {}).get("threshold", 0.9)
+        title = f"{res['model']} / {res['task']} / n={res['n']} / threshold {thr}"
+        parts.append(f"## {res['model']} — {res['task']} (threshold {thr})\n\n```\n{format_table(res['summary'], title)}\n```\n")
+        png = f.with_suffix(".png")
+        if png.exists():
+            parts.append(f"![{f.stem}](results/{png.name})\n")
+    Path("docs/results.md").write_text("\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()
