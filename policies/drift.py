@@ -22,8 +22,17 @@ class DriftMetric(Stage):
         raise NotImplementedError
 
 
+@attrs.frozen
+class EpsConfig:
+    """``eps``: floor of probabilities inside logarithms."""
+
+    eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
+
+
 class _PairwiseDrift(DriftMetric):
     """A row-wise divergence from :mod:`polestar.kernels.drift`, averaged over heads."""
+
+    Config = EpsConfig
 
     def score(self, cur, prev):
         return type(self).divergence(cur, prev, self.config.eps).mean(dim=1)
@@ -35,10 +44,6 @@ class KLDrift(_PairwiseDrift):
 
     divergence = staticmethod(kl_drift)
 
-    @attrs.frozen
-    class Config:
-        eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
-
 
 @register("drift", "js")
 class JSDrift(_PairwiseDrift):
@@ -46,20 +51,12 @@ class JSDrift(_PairwiseDrift):
 
     divergence = staticmethod(js_drift)
 
-    @attrs.frozen
-    class Config:
-        eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
-
 
 @register("drift", "cosine")
 class CosineDrift(_PairwiseDrift):
     """1 − cosine similarity of attention rows per head, averaged over heads. ``[B, H, R, T]`` ×2 → ``[B, R]``."""
 
     divergence = staticmethod(cosine_drift)
-
-    @attrs.frozen
-    class Config:
-        eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
 
 
 @register("drift", "uncertainty")
