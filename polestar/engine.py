@@ -12,28 +12,15 @@ from polestar.policies.commit_basic import transfer_counts
 from .config import GenerationConfig
 from .policy import Pipeline
 from .profiling import scope
-from .state import DecodeState, Prediction
+from .state import DecodeState, Prediction, propose
 from .stats import RunStats, SequenceStats
 from .step import StepRunner
 
 
 def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, generator: torch.Generator, mask_id: int) -> Prediction:
-    """Proposals for the block: ``logits [B, bl, V]``, ``masked [B, bl]`` → :class:`Prediction`.
-
-    The mask token is never proposed (its logit is excluded before argmax / sampling). With ``temperature > 0``
-    tokens are Gumbel-max samples in float64 as in LLaDA (``exp(l) / (-log u)^temperature``). Confidence is the
-    float64 softmax probability of the proposed token under the unmodified logits.
-    """
-    l64 = logits.to(torch.float64)
-    scores = l64
-    if 0 <= mask_id < logits.shape[-1]:
-        scores = l64.clone()
-        scores[..., mask_id] = float("-inf")
-    if temperature > 0:
-        noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64, device=generator.device)
-        scores = scores.exp() / (-torch.log(noise.to(scores.device))) ** temperature
-    tokens = scores.argmax(dim=-1)
-    conf = (l64.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(l64, dim=-1)).exp()
+    """Proposals for the block (see :func:`polestar.state.propose`): ``logits [B, bl, V]``, ``masked [B, bl]`` →
+    :class:`Prediction` with ``-inf`` confidence outside ``masked``."""
+    tokens, conf = propose(logits, mask_id, temperature, generator)
     return Prediction(tokens, conf.masked_fill(~masked, float("-inf")), logits)
 
 

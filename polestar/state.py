@@ -23,6 +23,28 @@ class Prediction(NamedTuple):
     logits: torch.Tensor
 
 
+def propose(
+    logits: torch.Tensor, mask_id: int, temperature: float = 0.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and float64 confidences for ``logits [..., V]`` → ``[...]``, ``[...]``.
+
+    The mask token is never proposed (its logit is excluded before argmax / sampling). With ``temperature > 0``
+    tokens are Gumbel-max samples in float64 as in LLaDA (``exp(l) / (-log u)^temperature``). Confidence is the
+    softmax probability of the proposed token under the unmodified logits.
+    """
+    l64 = logits.to(torch.float64)
+    scores = l64
+    if 0 <= mask_id < logits.shape[-1]:
+        scores = l64.clone()
+        scores[..., mask_id] = float("-inf")
+    if temperature > 0:
+        noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64, device=generator.device)
+        scores = scores.exp() / (-torch.log(noise.to(scores.device))) ** temperature
+    tokens = scores.argmax(dim=-1)
+    conf = (l64.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(l64, dim=-1)).exp()
+    return tokens, conf
+
+
 @attrs.define
 class DecodeState:
     """Mutable state of one batched generation, read by refresh selectors and commit rules.

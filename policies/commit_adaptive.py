@@ -18,26 +18,9 @@ from polestar.models.backbone import AttentionProbe
 from polestar.models.plan import Plan
 from polestar.registry import register
 from polestar.stages import CommitRule
-from polestar.state import DecodeState, Prediction
+from polestar.state import DecodeState, Prediction, propose
 
-from .commit_basic import _threshold_validator, rank_descending
-
-
-def _threshold_base(pred: Prediction, masked: torch.Tensor, threshold: float) -> torch.Tensor:
-    conf = pred.confidence.masked_fill(~masked, float("-inf"))
-    top = torch.zeros_like(masked).scatter_(1, conf.argmax(dim=1, keepdim=True), True)
-    return masked & ((conf >= threshold) | top)
-
-
-def _propose(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens (mask excluded) and their float64 confidence: ``[..., V]`` → ``[...]``, ``[...]``."""
-    l64 = logits.double()
-    scores = l64.clone()
-    if 0 <= mask_id < scores.shape[-1]:
-        scores[..., mask_id] = float("-inf")
-    tokens = scores.argmax(-1)
-    conf = (l64.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(l64, -1)).exp()
-    return tokens, conf
+from .commit_basic import _threshold_validator, rank_descending, threshold_transfer
 
 
 @register("commit", "polestar")
@@ -88,7 +71,7 @@ class PolestarCommit(CommitRule):
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
         c = self.config
-        transfer = _threshold_base(pred, masked, c.threshold)
+        transfer = threshold_transfer(pred.confidence, masked, c.threshold)
         delta = state.extras.get("polestar_commit", {}).get("delta")
         if delta is None or math.isinf(c.alpha):
             return transfer
@@ -106,7 +89,7 @@ class PolestarCommit(CommitRule):
         target = packet["positions"] + state.logit_shift
         inside = (target >= state.block_end) & (target < state.length)
         target = target.clamp(max=state.length - 1)[None, :].expand(state.batch_size, -1)
-        tokens, conf = _propose(packet["logits"], state.mask_id)
+        tokens, conf = propose(packet["logits"], state.mask_id)
         is_masked = state.x.gather(1, target) == state.mask_id
         commit = packet["valid"] & inside[None, :] & is_masked & (conf >= self.config.threshold) & state.active[:, None]
         return target, tokens, commit
@@ -160,6 +143,4 @@ class KLASSCommit(CommitRule):
             streak = torch.where(kl < self.config.kl_bound, ctx["streak"] + 1, 0)
         ctx.update(logp=logp, streak=streak)
         stable = (streak >= self.config.stable_steps) & (pred.confidence >= self.config.min_confidence)
-        conf = pred.confidence.masked_fill(~masked, float("-inf"))
-        top = torch.zeros_like(masked).scatter_(1, conf.argmax(dim=1, keepdim=True), True)
-        return masked & (stable | top)
+        return threshold_transfer(pred.confidence, masked, 2.0) | (masked & stable)

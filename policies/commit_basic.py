@@ -62,6 +62,14 @@ def _threshold_validator(_inst, attribute, value):
         raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
 
 
+def threshold_transfer(confidence: torch.Tensor, masked: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Masked positions with ``confidence ≥ threshold``, plus each row's most confident masked position.
+    ``[B, n]`` → bool ``[B, n]``."""
+    conf = confidence.masked_fill(~masked, float("-inf"))
+    top = torch.zeros_like(masked).scatter_(1, conf.argmax(dim=1, keepdim=True), True)
+    return masked & ((conf >= threshold) | top)
+
+
 @register("commit", "threshold")
 class ThresholdCommit(CommitRule):
     """Fast-dLLM's parallel rule: commit every masked token whose confidence ≥ ``threshold``, and always the most
@@ -72,9 +80,7 @@ class ThresholdCommit(CommitRule):
         threshold: float = attrs.field(default=0.9, converter=float, validator=_threshold_validator)
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        conf = pred.confidence.masked_fill(~masked, float("-inf"))
-        top = torch.zeros_like(masked).scatter_(1, conf.argmax(dim=1, keepdim=True), True)
-        return masked & ((conf >= self.config.threshold) | top)
+        return threshold_transfer(pred.confidence, masked, self.config.threshold)
 
 
 @register("commit", "factor")
