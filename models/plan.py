@@ -90,10 +90,12 @@ def full_plan(batch: int, length: int, device) -> Plan:
     return Plan(index, torch.ones(batch, length, dtype=torch.bool, device=device), 0)
 
 
-def span_plan(batch: int, start: int, end: int, device, active: torch.Tensor | None = None) -> Plan:
+def span_plan(
+    batch: int, start: int, end: int, device, active: torch.Tensor | None = None, target_offset: int = 0
+) -> Plan:
     """Positions ``[start, end)`` at every layer; rows where ``active`` ([B] bool) is False are all unused."""
     index = torch.arange(start, end, device=device).expand(batch, end - start)
     valid = torch.ones(batch, end - start, dtype=torch.bool, device=device)
     if active is not None:
         valid = valid & active[:, None]
-    return Plan(index, valid, 0)
+    return Plan(index, valid, target_offset)

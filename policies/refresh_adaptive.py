@@ -27,7 +27,7 @@ from polestar.registry import register
 from polestar.stages import RefreshSelector
 from polestar.state import DecodeState
 
-from .refresh_basic import block_start_plan
+from .refresh_basic import block_plan, block_start_plan
 
 
 class _PacketHook:
@@ -88,8 +88,7 @@ class ElasticRefresh(RefreshSelector):
     def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
         if state.step == 0:
             return block_start_plan(state)
-        return span_plan(state.batch_size, state.block_start - state.logit_shift, state.block_end, state.x.device,
-                         state.active)
+        return block_plan(state)
 
     def hook(self, state, plan, cache, model):
         ctx = state.extras.setdefault("elastic", {})
@@ -166,10 +165,9 @@ class DLLMCacheRefresh(RefreshSelector):
             return block_start_plan(state)
         if g % self.config.response_interval == 0:
             lo = state.prompt_len - state.logit_shift
-            plan = span_plan(state.batch_size, lo, state.length, state.x.device, state.active)
-            return Plan(plan.index, plan.valid, state.block_start - state.logit_shift - lo)
-        return span_plan(state.batch_size, state.block_start - state.logit_shift, state.block_end, state.x.device,
-                         state.active)
+            return span_plan(state.batch_size, lo, state.length, state.x.device, state.active,
+                             state.block_start - state.logit_shift - lo)
+        return block_plan(state)
 
     def hook(self, state, plan, cache, model):
         g = state.extras["dllm_step"]

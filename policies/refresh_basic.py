@@ -25,6 +25,12 @@ def _full_refresh_due(state: DecodeState, interval: int) -> bool:
     return state.step == 0 or (interval > 0 and state.step % interval == 0)
 
 
+def block_plan(state: DecodeState) -> Plan:
+    """Only the block (from one position early for Dream's shifted logits), rows of finished sequences unused."""
+    return span_plan(state.batch_size, state.block_start - state.logit_shift, state.block_end, state.x.device,
+                     state.active)
+
+
 @register("refresh", "full")
 class FullRefresh(RefreshSelector):
     """No cache (LLaDA baseline): every layer recomputes all ``T`` positions at every step. Plan ``[B, T]``."""
@@ -74,4 +80,4 @@ class DualRefresh(RefreshSelector):
     def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
         if _full_refresh_due(state, self.config.refresh_interval):
             return block_start_plan(state)
-        return span_plan(state.batch_size, state.block_start - state.logit_shift, state.block_end, state.x.device, state.active)
+        return block_plan(state)

@@ -28,7 +28,7 @@ from polestar.stages import RefreshSelector
 from polestar.state import DecodeState
 from polestar.streams import SideStream
 
-from .refresh_basic import block_start_plan
+from .refresh_basic import block_plan, block_start_plan
 from .sparse_update import MemberStore, Window, make_window
 
 
@@ -86,15 +86,14 @@ class PolestarRefresh(RefreshSelector):
     # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
         if state.step > 0:
-            return span_plan(state.batch_size, state.block_start - state.logit_shift, state.block_end,
-                             state.x.device, state.active)
+            return block_plan(state)
         every = self.config.window_refresh_every
         if every and state.block_index % every == every - 1:
             bl = state.block_length
             lo = max(0, state.block_start - state.logit_shift - self.config.prefix_blocks * bl)
             hi = min(state.length, state.block_end + self.config.suffix_blocks * bl)
-            plan = span_plan(state.batch_size, lo, hi, state.x.device, state.active)
-            return Plan(plan.index, plan.valid, state.block_start - state.logit_shift - lo)
+            return span_plan(state.batch_size, lo, hi, state.x.device, state.active,
+                             state.block_start - state.logit_shift - lo)
         return block_start_plan(state)
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model):
