@@ -40,6 +40,7 @@ __all__ = [
     "HAS_TRITON",
     "KMeansResult",
     "chunk_clusters",
+    "init_keys",
     "kmeans_assign",
     "kmeans_assign_triton",
     "reference_kmeans_assign",
@@ -174,11 +175,19 @@ def kmeans_assign(x: Tensor, centroids: Tensor, valid: Tensor | None = None, bac
 # ----------------------------------------------------------------------------- k-means steps
 
 
-def _init_centroids(x: Tensor, k: int, valid: Tensor, generator: torch.Generator | None) -> Tensor:
+def init_keys(g: int, n: int, generator: torch.Generator | None, device: torch.device | str) -> Tensor:
+    """Random keys ``[G, N]`` in ``[0, 1)`` choosing the initial points (drawn ahead of a compiled region)."""
+    rand_device = generator.device if generator is not None else device
+    return torch.rand(g, n, generator=generator, device=rand_device).to(device)
+
+
+def _init_centroids(x: Tensor, k: int, valid: Tensor, generator: torch.Generator | None, keys: Tensor | None) -> Tensor:
     """``k`` distinct points per group, valid ones first, in random order: ``[G, k, D]`` fp32."""
     g, n, d = x.shape
-    rand_device = generator.device if generator is not None else x.device
-    keys = torch.rand(g, n, generator=generator, device=rand_device).to(x.device)
+    if keys is None:
+        keys = init_keys(g, n, generator, x.device)
+    elif keys.shape != (g, n):
+        raise ValueError(f"keys must be [G, N] = {(g, n)}, got {tuple(keys.shape)}")
     keys = keys.masked_fill(~valid, -1.0)
     idx = keys.topk(k, dim=1).indices  # [G, k]
     return x.gather(1, idx.unsqueeze(-1).expand(g, k, d)).float()
@@ -258,11 +267,12 @@ def _check_kmeans_args(x: Tensor, k: int, iters: int, valid: Tensor | None) -> T
 
 
 def _spherical_kmeans(
-    x: Tensor, k: int, iters: int, generator: torch.Generator | None, valid: Tensor | None, assign: AssignFn
+    x: Tensor, k: int, iters: int, generator: torch.Generator | None, valid: Tensor | None, assign: AssignFn,
+    keys: Tensor | None = None,
 ) -> KMeansResult:
     valid_mask = _check_kmeans_args(x, k, iters, valid)
     x32 = x.float()
-    centroids = _init_centroids(x32, k, valid_mask, generator)
+    centroids = _init_centroids(x32, k, valid_mask, generator, keys)
     labels = counts = None
     for _ in range(iters):
         labels = assign(x32, centroids, valid_mask)
@@ -278,6 +288,7 @@ def reference_spherical_kmeans(
     iters: int = 5,
     generator: torch.Generator | None = None,
     valid: Tensor | None = None,
+    keys: Tensor | None = None,
 ) -> KMeansResult:
     """Batched spherical k-means with mean centroids (torch reference).
 
@@ -292,12 +303,15 @@ def reference_spherical_kmeans(
         generator: ``torch.Generator`` for the initial points (global RNG if ``None``); it may
             live on another device than ``x``.
         valid: optional ``[G, N]`` bool; invalid points get label ``-1`` and are ignored.
+        keys: optional ``[G, N]`` random keys from :func:`init_keys` (the ``k`` valid points with the largest
+            keys start the clusters); given, ``generator`` is unused and the function draws no random numbers,
+            so it can run inside a compiled graph.
 
     Returns:
         :class:`KMeansResult` ``(centroids [G, k, D] dtype of x, labels [G, N] int64,
         counts [G, k] int64)``; centroids are the means of the final labels' members.
     """
-    return _spherical_kmeans(x, k, iters, generator, valid, reference_kmeans_assign)
+    return _spherical_kmeans(x, k, iters, generator, valid, reference_kmeans_assign, keys)
 
 
 def spherical_kmeans(
@@ -307,13 +321,14 @@ def spherical_kmeans(
     generator: torch.Generator | None = None,
     valid: Tensor | None = None,
     backend: str = "auto",
+    keys: Tensor | None = None,
 ) -> KMeansResult:
     """:func:`reference_spherical_kmeans` with the assignment step on the chosen ``backend``.
 
     Shapes as in :func:`reference_spherical_kmeans`: ``x [G, N, D]`` -> ``centroids [G, k, D]``,
     ``labels [G, N]``, ``counts [G, k]``.  ``backend``: ``"auto" | "triton" | "reference"``.
     """
-    return _spherical_kmeans(x, k, iters, generator, valid, pick(_ASSIGN, backend, x))
+    return _spherical_kmeans(x, k, iters, generator, valid, pick(_ASSIGN, backend, x), keys)
 
 
 def chunk_clusters(n: int, k: int, device: torch.device | str | None = None) -> Tensor:

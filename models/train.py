@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bench.tasks import get_task, iter_split, split
-from .loading import build_model, save_model
+from .loading import build_model, load_model, save_model
 from .tokenizer import build_char_tokenizer, special_ids
 
 #: Answer-region length (the benchmark generates 64 tokens).
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m polestar.models.train", description=__doc__.split("\n")[0])
     p.add_argument("--family", choices=("llada", "dream"), required=True)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--init", default=None,
+                   help="start from this checkpoint's weights and architecture (fine-tuning; the size flags are ignored)")
     p.add_argument("--minutes", type=float, default=45.0, help="training time budget (wall clock, excl. final eval)")
     p.add_argument("--steps", type=int, default=None, help="fixed number of steps (lr schedule by steps, not time)")
     p.add_argument("--threads", type=int, default=1)
@@ -98,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", type=float, default=1e-3, help="t ~ U(eps, 1)")
     p.add_argument("--eos-weight", type=float, default=0.15, help="loss weight of EOS fill after the first EOS")
     p.add_argument("--tasks", type=parse_mixture, default=dict(DEFAULT_MIXTURE), help="e.g. arith=4,countdown=3,copy=1")
+    p.add_argument("--prefix-frac", type=float, default=0.0,
+                   help="share of rows masked after a random cut in the answer instead of at random (0: pure LLaDA)")
+    p.add_argument("--facts-batch", type=int, default=0,
+                   help="auxiliary batch of single arith steps 'a<op>b=r' (r masked) per step; 0: off")
+    p.add_argument("--facts-weight", type=float, default=1.0, help="loss weight of the auxiliary facts batch")
     p.add_argument("--eval-every", type=int, default=400, help="steps between accuracy probes (0: never)")
     p.add_argument("--eval-n", type=int, default=16, help="held-out test problems per task in each probe")
     p.add_argument("--final-n", type=int, default=200, help="test problems per task in the final evaluation (0: skip)")
@@ -176,6 +183,29 @@ class Batcher:
         return ids, att, P
 
 
+def sample_mask(ans: torch.Tensor, eos_id: int, gen: torch.Generator, eps: float = 1e-3,
+                prefix_frac: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which answer-region tokens ``ans [B, G]`` to mask: ``(masked [B, G] bool, t [B])``.
+
+    Rows draw ``t ~ U(eps, 1)`` (stratified over the batch) and mask each token with probability ``t``; a
+    ``prefix_frac`` share of rows instead keeps the answer up to a random cut inside it (answer characters and
+    the first EOS) and masks everything after, with ``t`` the masked fraction -- the context a left-to-right
+    decoder sees, which random masking almost never produces (it rarely hides every copy of an intermediate
+    result, so the model learns to copy instead of to compute).
+    """
+    B, G = ans.shape
+    u = (torch.arange(B, dtype=torch.float32) + torch.rand(B, generator=gen)) / B
+    t = eps + (1 - eps) * u[torch.randperm(B, generator=gen)]
+    masked = torch.rand(ans.shape, generator=gen) < t[:, None]
+    if prefix_frac > 0:
+        length = (ans != eos_id).sum(dim=1) + 1
+        cut = (torch.rand(B, generator=gen) * length).long()
+        is_prefix = torch.rand(B, generator=gen) < prefix_frac
+        masked = torch.where(is_prefix[:, None], torch.arange(G)[None, :] >= cut[:, None], masked)
+        t = torch.where(is_prefix, (G - cut).float() / G, t)
+    return masked, t
+
+
 def diffusion_loss(
     model,
     ids: torch.Tensor,
@@ -184,15 +214,14 @@ def diffusion_loss(
     gen: torch.Generator,
     eps: float = 1e-3,
     eos_weight: float = 0.15,
+    prefix_frac: float = 0.0,
 ) -> torch.Tensor:
-    """The masked-diffusion loss of one batch (see the module docstring)."""
+    """The masked-diffusion loss of one batch (see the module docstring); a ``prefix_frac`` share of the rows
+    is masked after a random cut instead (see ``--prefix-frac``)."""
     spec = model.spec
     B, L = ids.shape
     ans = ids[:, prompt_len:]
-    # stratified t over the batch: lower variance than i.i.d. draws, same marginal U(eps, 1)
-    u = (torch.arange(B, dtype=torch.float32) + torch.rand(B, generator=gen)) / B
-    t = eps + (1 - eps) * u[torch.randperm(B, generator=gen)]
-    masked = torch.rand(ans.shape, generator=gen) < t[:, None]
+    masked, t = sample_mask(ans, spec.eos_id, gen, eps, prefix_frac)
     noisy = ids.clone()
     noisy[:, prompt_len:] = torch.where(masked, torch.full_like(ans, spec.mask_id), ans)
     # per-position weight: 1 up to and including the first EOS, eos_weight for the fill after it
@@ -203,6 +232,29 @@ def diffusion_loss(
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ans.reshape(-1), reduction="none").view(B, -1)
     loss = (ce * masked * weight / t[:, None]).sum() / weight.sum()
     return loss
+
+
+def facts_batch(tok, batch: int, rng: random.Random, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single arith steps ``"a<op>b=r"`` with the result masked: ``(ids [B, 5], target [B])``.
+
+    A curriculum aid: the mod-10 tables are the slow part of ``arith`` (a 1M-parameter model needs ~2,000 steps of
+    batch 64 to learn them in isolation, and far longer when they are only seen inside diffusion batches); the same
+    relative layout ``a<op>b=r`` appears in every arith answer, so with rotary positions the table transfers.
+    """
+    from ..bench.tasks.arith import steps
+
+    rows, target = [], []
+    for _ in range(batch):
+        text = f"{rng.randrange(10)}{rng.choice('+-*')}{rng.randrange(10)}"
+        a, op, b, r = steps(text)[0]
+        rows.append(tok.encode(f"{a}{op}{b}=", add_special_tokens=False).ids + [mask_id])
+        target.append(tok.encode(str(r), add_special_tokens=False).ids[0])
+    return torch.tensor(rows), torch.tensor(target)
+
+
+def facts_loss(model, tok, batch: int, rng: random.Random) -> torch.Tensor:
+    x, y = facts_batch(tok, batch, rng, model.spec.mask_id)
+    return F.cross_entropy(model(x)[:, -1].float(), y)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -260,7 +312,12 @@ def train(args: argparse.Namespace) -> dict:
     tok = build_char_tokenizer()
     ids = special_ids(tok)
     vocab = tok.get_vocab_size()
-    model = build_model(args.family, spec_kwargs_from_args(args, vocab, ids), seed=args.seed)
+    if args.init:
+        model = load_model(args.init, dtype="float32")
+        if model.spec.family != args.family:
+            raise ValueError(f"--init {args.init} is a {model.spec.family} checkpoint but --family is {args.family}")
+    else:
+        model = build_model(args.family, spec_kwargs_from_args(args, vocab, ids), seed=args.seed)
     model.tokenizer = tok
     model.train()
     params = n_params(model)
@@ -275,6 +332,7 @@ def train(args: argparse.Namespace) -> dict:
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
     batcher = Batcher(tok, args.tasks, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
+    facts_rng = random.Random(args.seed + 1)
     budget = args.minutes * 60.0
     bar = None
     if not args.no_progress:
@@ -300,7 +358,10 @@ def train(args: argparse.Namespace) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         x, att, P = batcher.sample(args.batch)
-        loss = diffusion_loss(model, x, att, P, gen, eps=args.eps, eos_weight=args.eos_weight)
+        loss = diffusion_loss(model, x, att, P, gen, eps=args.eps, eos_weight=args.eos_weight,
+                              prefix_frac=args.prefix_frac)
+        if args.facts_batch:
+            loss = loss + args.facts_weight * facts_loss(model, tok, args.facts_batch, facts_rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,7 +1,8 @@
 """Clusterers (kind ``cluster``): group the window's hidden states so one proxy query stands for many tokens.
 
-``cluster(x [G, N, D], k, valid [G, N], generator) → (centroids [G, k, D], labels [G, N] (-1 invalid),
-counts [G, k])``.
+``cluster(x [G, N, D], k, valid [G, N], generator, keys=None) → (centroids [G, k, D], labels [G, N] (-1 invalid),
+counts [G, k])``. ``keys [G, N]`` (from :func:`polestar.kernels.kmeans.init_keys`) replace the draws from
+``generator`` so that clustering can run inside a compiled graph; clusterers that need no randomness ignore both.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from polestar.stages import Stage
 
 
 class Clusterer(Stage):
-    def cluster(self, x, k, valid, generator):  # pragma: no cover - abstract
+    needs_keys = False  # whether ``cluster`` consumes random ``keys [G, N]``
+
+    def cluster(self, x, k, valid, generator, keys=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
 
@@ -28,8 +31,10 @@ class SphericalKMeans(Clusterer):
     class Config:
         iters: int = attrs.field(default=5, validator=attrs.validators.ge(1))
 
-    def cluster(self, x, k, valid, generator):
-        return spherical_kmeans(x, k, self.config.iters, generator=generator, valid=valid)
+    needs_keys = True
+
+    def cluster(self, x, k, valid, generator, keys=None):
+        return spherical_kmeans(x, k, self.config.iters, generator=generator, valid=valid, keys=keys)
 
 
 @register("cluster", "chunks")
@@ -40,7 +45,7 @@ class ChunkClusters(Clusterer):
     class Config:
         pass
 
-    def cluster(self, x, k, valid, generator):
+    def cluster(self, x, k, valid, generator, keys=None):
         G, N, _ = x.shape
         labels = chunk_clusters(N, k, device=x.device).expand(G, N)
         labels = torch.where(valid, labels, -1)

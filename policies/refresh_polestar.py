@@ -21,6 +21,7 @@ import attrs
 import torch
 from attrs import validators as v
 
+from polestar.kernels.kmeans import init_keys
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
 from polestar.registry import register
@@ -128,9 +129,14 @@ class PolestarRefresh(RefreshSelector):
 
 
 class _BuildHook:
-    """Block start: cluster and store each layer's window inputs; record the proxy distributions."""
+    """Block start: cluster and store each layer's window inputs; record the proxy distributions.
 
-    compilable = False  # random centroid initialisation through a torch.Generator; runs eagerly
+    The clusterer's random initial keys are drawn here, before the forward, in a fixed (layer, part) order, so the
+    hook itself draws no random numbers. It still runs eagerly: compiling it (torch 2.13, CPU inductor) unrolls
+    the k-means iterations into a ~10k-line kernel that took 20 minutes to build on 2 busy cores and then failed at
+    run time in the stable sort of the reseed step (``UnboundLocalError`` in the generated code)."""
+
+    compilable = False
 
     def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, ctx):
         self.sel, self.state, self.cache, self.model, self.ctx = sel, state, cache, model, ctx
@@ -139,6 +145,13 @@ class _BuildHook:
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
         n_pre = window.n_prefix
         self.k_pre, self.k_post = split_clusters(sel.config.n_clusters, n_pre, window.size - n_pre)
+        self.keys: list[list] = []
+        for _ in range(model.spec.n_layers):
+            layer_keys = []
+            for lo, hi, k in ((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post)):
+                use = k > 0 and sel.clusterer.needs_keys
+                layer_keys.append(init_keys(state.batch_size, hi - lo, state.generator, state.x.device) if use else None)
+            self.keys.append(layer_keys)
         for key in ("centroids", "labels", "counts", "centroid_pos", "prev"):
             ctx[key] = []
 
@@ -153,11 +166,13 @@ class _BuildHook:
         window = sel._window
         n_pre = window.n_prefix
         parts, offset = [], 0
-        for lo, hi, k in ((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post)):
+        parts_keys = self.keys[layer]
+        for part, (lo, hi, k) in enumerate(((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post))):
             if k == 0:
                 continue
             with scope("cluster"):
-                c, lab, cnt = sel.clusterer.cluster(hw[:, lo:hi].float(), k, window.valid[:, lo:hi], self.state.generator)
+                c, lab, cnt = sel.clusterer.cluster(hw[:, lo:hi].float(), k, window.valid[:, lo:hi], None,
+                                                    parts_keys[part])
             parts.append((c, torch.where(lab >= 0, lab + offset, -1), cnt))
             offset += k
         centroids = torch.cat([p[0] for p in parts], dim=1).to(hw.dtype)

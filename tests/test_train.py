@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import json
+import random
 
+import pytest
 import torch
 
 from polestar.bench.tasks import get_task
+from polestar.bench.tasks.arith import solve
 from polestar.bench.tasks.base import PROMPT_WIDTH
 from polestar.models.loading import load_model
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
-from polestar.models.train import DEFAULT_MIXTURE, GEN, Batcher, build_parser, evaluate_checkpoint, train
+from polestar.models.train import (
+    DEFAULT_MIXTURE,
+    GEN,
+    Batcher,
+    build_parser,
+    evaluate_checkpoint,
+    facts_batch,
+    sample_mask,
+    train,
+)
 
 
 def test_batcher_layout():
@@ -20,6 +32,32 @@ def test_batcher_layout():
     eos = special_ids(tok)["eos"]
     assert bool((ids[:, -1] == eos).all())  # answer region ends in EOS fill
     assert get_task("copy").format_prompt("ab").strip() == "copy:ab="
+
+
+def test_facts_batch_holds_single_steps_with_the_result_masked():
+    tok = build_char_tokenizer()
+    mask = special_ids(tok)["mask"]
+    x, y = facts_batch(tok, 50, random.Random(0), mask)
+    assert x.shape == (50, 5) and bool((x[:, -1] == mask).all())
+    for row, target in zip(x.tolist(), y.tolist()):
+        text = tok.decode(row[:4])
+        assert text[3] == "=" and tok.decode([target]) == str(solve(text[:3]))
+
+
+def test_sample_mask_prefix_rows_hide_a_suffix_inside_the_answer():
+    eos = 0
+    ans = torch.full((64, 20), eos)
+    lengths = torch.randint(1, 15, (64,), generator=torch.Generator().manual_seed(1))
+    for i, n in enumerate(lengths.tolist()):
+        ans[i, :n] = 7
+    masked, t = sample_mask(ans, eos, torch.Generator().manual_seed(0), prefix_frac=1.0)
+    for i, n in enumerate(lengths.tolist()):
+        row = masked[i].tolist()
+        cut = row.index(True)
+        assert all(row[cut:]) and not any(row[:cut]) and cut <= n  # a suffix, cut inside answer + first EOS
+        assert t[i].item() == pytest.approx((20 - cut) / 20)
+    plain, t0 = sample_mask(ans, eos, torch.Generator().manual_seed(0))
+    assert bool(((t0 > 0) & (t0 <= 1)).all()) and plain.shape == ans.shape
 
 
 def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
@@ -50,3 +88,15 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
     acc = evaluate_checkpoint(out, n=1)
     assert set(acc) == set(DEFAULT_MIXTURE) and all(0.0 <= v <= 1.0 for v in acc.values())
     assert "| arith |" in (out / "README.md").read_text()
+
+    # fine-tuning from the checkpoint keeps its architecture, with the curriculum aids on
+    tuned = tmp_path / "tuned"
+    args = build_parser().parse_args([
+        "--family", "llada", "--init", str(out), "--out", str(tuned), "--steps", "2", "--threads", "1",
+        "--batch", "4", "--tasks", "arith", "--facts-batch", "8", "--prefix-frac", "0.5", "--eval-every", "0",
+        "--final-n", "0", "--no-progress",
+    ])
+    assert train(args)["model"].spec == model.spec
+    with pytest.raises(ValueError, match="llada checkpoint but --family is dream"):
+        train(build_parser().parse_args(["--family", "dream", "--init", str(out), "--out", str(tuned), "--steps", "1",
+                                         "--final-n", "0", "--no-progress"]))

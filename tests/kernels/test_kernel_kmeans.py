@@ -173,6 +173,18 @@ def test_kmeans_reproducible_with_generator():
     assert not torch.equal(a.labels, c.labels)
 
 
+def test_kmeans_keys_drawn_ahead_equal_generator_draws():
+    """Keys from ``init_keys`` reproduce the generator path exactly, so a compiled caller can draw them eagerly."""
+    x = torch.randn(3, 20, 6, generator=torch.Generator().manual_seed(4))
+    from_gen = km.spherical_kmeans(x, 4, generator=torch.Generator().manual_seed(9))
+    keys = km.init_keys(3, 20, torch.Generator().manual_seed(9), x.device)
+    from_keys = km.spherical_kmeans(x, 4, keys=keys)
+    for u, v in zip(from_gen, from_keys):
+        assert torch.equal(u, v)
+    with pytest.raises(ValueError, match="keys must be"):
+        km.spherical_kmeans(x, 4, keys=keys[:, :5])
+
+
 def test_kmeans_k_equals_n():
     x = torch.randn(2, 7, 5, generator=torch.Generator().manual_seed(1))
     res = km.reference_spherical_kmeans(x, 7, generator=torch.Generator().manual_seed(2))
