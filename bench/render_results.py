@@ -11,7 +11,7 @@ RESULTS = Path("docs/results")
 HEADER = """# Results
 
 Measured on this project's CPU machine (2 cores, shared), with the shipped checkpoints `tiny-llada` and
-`tiny-dream` (≈1M parameters, trained 70 minutes each; see their model cards), greedy decoding, generation length
+`tiny-dream` (≈1M parameters, trained in three stages of about 2 hours in all; see their model cards), greedy decoding, generation length
 64 in 4 blocks of 16, `threshold` 0.9 unless stated, n = {n} test problems per task. Reproduce with
 `bash bench/run_results.sh {n}` then `python bench/render_results.py`.
 

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Regenerates the tables of docs/results.md (CPU, ~40 min on 2 cores). Usage: bash bench/run_results.sh [N]
+# Regenerates the tables of docs/results.md (CPU; about 15 minutes per model at N=200 on one core).
+# Usage: bash bench/run_results.sh [N]   (MODELS="tiny-llada" to run one checkpoint, TASKS="arith sudoku" to
+# run some tasks; two processes with one model each use both cores)
 set -euo pipefail
 N=${1:-200}
 OUT=docs/results
 mkdir -p "$OUT"
 ALL=baseline,parallel,fast-dllm,elastic-cache,polestar-cache,polestar-commit,polestar
-for model in tiny-llada tiny-dream; do
-  for task in arith sudoku; do
+for model in ${MODELS:-tiny-llada tiny-dream}; do
+  for task in ${TASKS:-arith sudoku countdown parallel}; do
     polestar bench --model $model --task $task --policies $ALL --n "$N" --batch-size 50 \
       --gen-length 64 --block-length 16 --json "$OUT/$model-$task.json" --plot "$OUT/$model-$task.png" \
       | tee "$OUT/$model-$task.txt"
   done
-  polestar bench --model $model --task arith --policies baseline,parallel --set threshold=0.5 --n "$N" \
-    --batch-size 50 --gen-length 64 --block-length 16 --json "$OUT/$model-arith-t05.json" | tee "$OUT/$model-arith-t05.txt"
+  for task in ${T05_TASKS:-arith sudoku}; do
+    polestar bench --model $model --task $task --policies baseline,parallel --set threshold=0.5 --n "$N" \
+      --batch-size 50 --gen-length 64 --block-length 16 --json "$OUT/$model-$task-t05.json" \
+      | tee "$OUT/$model-$task-t05.txt"
+  done
 done

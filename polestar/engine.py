@@ -98,9 +98,9 @@ def decode(
             hook = refresh.hook(state, plan, cache, model)
             probe = commit.probe(state, plan) or refresh.probe(state, plan)
             target = plan.target_offset + block_cols
-            with scope("forward"):
+            with scope("forward"):  # includes the selector's post-forward work (Polestar's block-start clustering)
                 logits, probs = runner(model, state.x, cache, plan, target[None, :].expand(state.batch_size, -1), probe, hook)
-            refresh.observe(state, plan, probs, cache)
+                refresh.observe(state, plan, probs, cache)
             if probs is not None:
                 commit.observe_probe(state, probs)
             masked = state.block_masked()

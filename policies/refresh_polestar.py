@@ -113,7 +113,8 @@ class PolestarRefresh(RefreshSelector):
             if self._side is None:
                 self._side = SideStream(state.x.device)
             plan_start = state.block_start - state.logit_shift - plan.target_offset
-            return _BuildHook(self, state, plan_start, cache, model, ctx)
+            ctx["build"] = _BuildHook(self, state, plan_start, cache, model, ctx)
+            return ctx["build"]
         window: Window = self._window
         if window.size == 0 or "centroids" not in ctx:
             return None
@@ -127,16 +128,23 @@ class PolestarRefresh(RefreshSelector):
             return None
         return _UpdateHook(self, state, cache, model, ctx, due)
 
+    def observe(self, state: DecodeState, plan: Plan, probe, cache: DecodeCache) -> None:
+        hook = state.extras.get("polestar", {}).pop("build", None)
+        if hook is not None:
+            hook.finish()
+
 
 class _BuildHook:
-    """Block start: cluster and store each layer's window inputs; record the proxy distributions.
+    """Block start: capture each layer's window inputs during the forward; cluster, store and score them after it.
 
-    The clusterer's random initial keys are drawn here, before the forward, in a fixed (layer, part) order, so the
-    hook itself draws no random numbers. It still runs eagerly: compiling it (torch 2.13, CPU inductor) unrolls
-    the k-means iterations into a ~10k-line kernel that took 20 minutes to build on 2 busy cores and then failed at
-    run time in the stable sort of the reseed step (``UnboundLocalError`` in the generated code)."""
-
-    compilable = False
+    ``before_attention`` only gathers the window rows of the layer input (so the block-start forward compiles like
+    any other step); :meth:`finish`, called from :meth:`PolestarRefresh.observe` after the forward, clusters them,
+    stores the members and records the proxy distributions against the layer's keys -- the same keys the hook saw,
+    since nothing writes layer ``l``'s K/V after its attention. That work is only consumed by the next step, so on
+    CUDA it is issued on the side stream. The clusterer's random initial keys are drawn when the hook is made, in a
+    fixed (layer, part) order. Clustering itself stays eager: compiling it (torch 2.13, CPU inductor) unrolled the
+    k-means iterations into a ~10k-line kernel that took 20 minutes to build on 2 busy cores and then failed at run
+    time in the stable sort of the reseed step (``UnboundLocalError`` in the generated code)."""
 
     def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, ctx):
         self.sel, self.state, self.cache, self.model, self.ctx = sel, state, cache, model, ctx
@@ -152,33 +160,49 @@ class _BuildHook:
                 use = k > 0 and sel.clusterer.needs_keys
                 layer_keys.append(init_keys(state.batch_size, hi - lo, state.generator, state.x.device) if use else None)
             self.keys.append(layer_keys)
+        self.inputs: list = [None] * model.spec.n_layers
         for key in ("centroids", "labels", "counts", "centroid_pos", "prev"):
             ctx[key] = []
 
     def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        sel = self.sel
-        hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
-        with sel._side.run(hw, self.cache.k[layer]):  # consumed only by the next step: overlap on CUDA
-            self._build_layer(layer, hw)
+        self.inputs[layer] = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
 
-    def _build_layer(self, layer: int, hw: torch.Tensor) -> None:
-        ctx, sel = self.ctx, self.sel
-        window = sel._window
+    def finish(self) -> None:
+        """Cluster every layer's window inputs in one batched call per window part (groups = layers x rows), then
+        store and score each layer. Consumed only by the next step: issued on the side stream on CUDA."""
+        sel = self.sel
+        with sel._side.run(*self.inputs, *self.cache.k):
+            clusters = self._cluster_layers(torch.stack(self.inputs))
+            for layer, hw in enumerate(self.inputs):
+                self._store_layer(layer, hw, *(t[layer] for t in clusters))
+        self.inputs = [None] * len(self.inputs)
+
+    def _cluster_layers(self, hw: torch.Tensor):
+        """``hw [L, B, Nw, d]`` → ``centroids [L, B, K, d]``, ``labels [L, B, Nw]`` (window-wide cluster ids, -1
+        invalid), ``counts [L, B, K]``; the prefix and suffix parts are clustered separately."""
+        L, B, _, d = hw.shape
+        window = self.sel._window
         n_pre = window.n_prefix
         parts, offset = [], 0
-        parts_keys = self.keys[layer]
         for part, (lo, hi, k) in enumerate(((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post))):
             if k == 0:
                 continue
+            keys = self.keys[0][part]
+            if keys is not None:
+                keys = torch.cat([self.keys[layer][part] for layer in range(L)])
+            x = hw[:, :, lo:hi].reshape(L * B, hi - lo, d).float()
             with scope("cluster"):
-                c, lab, cnt = sel.clusterer.cluster(hw[:, lo:hi].float(), k, window.valid[:, lo:hi], None,
-                                                    parts_keys[part])
-            parts.append((c, torch.where(lab >= 0, lab + offset, -1), cnt))
+                c, lab, cnt = self.sel.clusterer.cluster(x, k, window.valid[:, lo:hi].repeat(L, 1), None, keys)
+            parts.append((c.view(L, B, k, d), torch.where(lab >= 0, lab + offset, -1).view(L, B, -1), cnt.view(L, B, k)))
             offset += k
-        centroids = torch.cat([p[0] for p in parts], dim=1).to(hw.dtype)
-        labels = torch.cat([p[1] for p in parts], dim=1)
-        counts = torch.cat([p[2] for p in parts], dim=1)
-        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), offset).float() * (labels >= 0)[..., None].float()
+        return (torch.cat([p[0] for p in parts], dim=2).to(hw.dtype), torch.cat([p[1] for p in parts], dim=2),
+                torch.cat([p[2] for p in parts], dim=2))
+
+    def _store_layer(self, layer: int, hw: torch.Tensor, centroids, labels, counts) -> None:
+        ctx, sel = self.ctx, self.sel
+        window = sel._window
+        k_total = centroids.shape[1]
+        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_total).float() * (labels >= 0)[..., None].float()
         pos = self.cache.positions.index_select(1, window.positions).float()
         centroid_pos = (torch.einsum("bnk,bn->bk", onehot, pos) / counts.clamp_min(1)).round().long()
         anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, hw.shape[-1]))

@@ -24,8 +24,9 @@ def test_compiled_generation_matches_eager_without_graph_breaks(small_model):
         compiled = polestar.generate(small_model, PROMPTS, policy=policy, compile=True, **kw)
         assert compiled.tokens.tolist() == eager.tokens.tolist(), policy
     assert dict(counters["graph_break"]) == {}
-    # full plan, block plan, block plan with the sparse-update hook (+ at most one dynamic-shape recompile each)
-    assert 1 <= counters["stats"]["unique_graphs"] <= 6
+    # full plan (with and without Polestar's block-start capture hook), block plan, block plan with the
+    # sparse-update hook (+ at most one dynamic-shape recompile each)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 8
     # a second generation reuses the graphs
     before = counters["stats"]["unique_graphs"]
     polestar.generate(small_model, PROMPTS, policy="polestar", compile=True, **kw)
