@@ -67,6 +67,7 @@ def decode(
     state = DecodeState(
         x=x, active=torch.ones(B, dtype=torch.bool, device=device), config=config, mask_id=spec.mask_id,
         eos_id=spec.eos_id, prompt_len=P, logit_shift=spec.logit_shift, n_layers=spec.n_layers, generator=generator,
+        compile=compile,
     )
     result = x.clone()
     rows = torch.arange(B, device=device)

@@ -72,6 +72,7 @@ class DecodeState:
     global_step: int = 0
     num_transfer: torch.Tensor | None = None
     extras: dict = attrs.field(factory=dict)
+    compile: bool = False  # steps run through torch.compile; stages may compile their post-forward work too
 
     @property
     def length(self) -> int:

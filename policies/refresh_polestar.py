@@ -17,6 +17,8 @@ distributions ``[B, H, K, T + 1]``; drift ``[B, K]``.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 from attrs import validators as v
@@ -75,6 +77,7 @@ class PolestarRefresh(RefreshSelector):
         self._window: Window | None = None
         self._store: MemberStore | None = None
         self._side: SideStream | None = None
+        self._compiled_store = None  # the block start's store + proxy scoring, compiled when the steps are
 
     def bind(self, stages: dict) -> None:
         missing = [k for k in ("drift", "cluster", "quant", "offload") if k not in stages]
@@ -141,7 +144,8 @@ class _BuildHook:
     any other step); :meth:`finish`, called from :meth:`PolestarRefresh.observe` after the forward, clusters them,
     stores the members and records the proxy distributions against the layer's keys -- the same keys the hook saw,
     since nothing writes layer ``l``'s K/V after its attention. That work is only consumed by the next step, so on
-    CUDA it is issued on the side stream. The clusterer's random initial keys are drawn when the hook is made, in a
+    CUDA it is issued on the side stream. k-means runs once per window part for all layers together; with
+    ``compile=True`` the store and proxy scoring of all layers run as one compiled graph. The clusterer's random initial keys are drawn when the hook is made, in a
     fixed (layer, part) order. Clustering itself stays eager: compiling it (torch 2.13, CPU inductor) unrolled the
     k-means iterations into a ~10k-line kernel that took 20 minutes to build on 2 busy cores and then failed at run
     time in the stable sort of the reseed step (``UnboundLocalError`` in the generated code)."""
@@ -173,9 +177,17 @@ class _BuildHook:
         sel = self.sel
         with sel._side.run(*self.inputs, *self.cache.k):
             clusters = self._cluster_layers(torch.stack(self.inputs))
-            for layer, hw in enumerate(self.inputs):
-                self._store_layer(layer, hw, *(t[layer] for t in clusters))
+            store = self._store_layers
+            if self.state.compile:
+                if sel._compiled_store is None:
+                    sel._compiled_store = torch.compile(_BuildHook._store_layers, fullgraph=True)
+                store = functools.partial(sel._compiled_store, self)
+            store(self.inputs, *clusters)
         self.inputs = [None] * len(self.inputs)
+
+    def _store_layers(self, inputs: list, centroids, labels, counts) -> None:
+        for layer, hw in enumerate(inputs):
+            self._store_layer(layer, hw, centroids[layer], labels[layer], counts[layer])
 
     def _cluster_layers(self, hw: torch.Tensor):
         """``hw [L, B, Nw, d]`` → ``centroids [L, B, K, d]``, ``labels [L, B, Nw]`` (window-wide cluster ids, -1

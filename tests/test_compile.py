@@ -25,8 +25,8 @@ def test_compiled_generation_matches_eager_without_graph_breaks(small_model):
         assert compiled.tokens.tolist() == eager.tokens.tolist(), policy
     assert dict(counters["graph_break"]) == {}
     # full plan (with and without Polestar's block-start capture hook), block plan, block plan with the
-    # sparse-update hook (+ at most one dynamic-shape recompile each)
-    assert 1 <= counters["stats"]["unique_graphs"] <= 8
+    # sparse-update hook, Polestar's block-start store + proxy scoring (+ at most one dynamic-shape recompile each)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 12
     # a second generation reuses the graphs
     before = counters["stats"]["unique_graphs"]
     polestar.generate(small_model, PROMPTS, policy="polestar", compile=True, **kw)
