@@ -12,9 +12,19 @@ Masked-diffusion objective (LLaDA, also used for the Dream variant since its log
   characters and the first EOS, ``--eos-weight`` for the EOS fill after it, so the padding does not dominate),
   normalised by the total weight of the answer region.
 
+Curriculum aids (off by default; the shipped checkpoints' cards list the stages that used them):
+
+* ``--init DIR`` starts from a checkpoint's weights and architecture (fine-tuning in stages);
+* ``--facts-batch N`` adds a batch of isolated single arith steps ``a<op>b=?`` to every step (the mod-10 tables);
+* ``--prefix-frac F`` masks a share ``F`` of the rows after a random cut inside the answer instead of at random,
+  the context a left-to-right decoder sees (random masking leaves copies of intermediate results visible, so a
+  model learns to copy them rather than compute them).
+
 Usage::
 
     python -m polestar.models.train --family llada --out models/checkpoints/tiny-llada --minutes 40
+    python -m polestar.models.train --family llada --init models/checkpoints/tiny-llada --out runs/next \
+        --minutes 40 --facts-batch 64 --prefix-frac 0.5
 
 Writes ``config.json``, ``model.safetensors``, ``tokenizer.json``, ``train_log.jsonl`` and a ``README.md`` model
 card (with test accuracies measured at the end of training, baseline decoding) into ``--out``.
