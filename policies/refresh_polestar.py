@@ -17,8 +17,6 @@ distributions ``[B, H, K, T + 1]``; drift ``[B, K]``.
 
 from __future__ import annotations
 
-import functools
-
 import attrs
 import torch
 from attrs import validators as v
@@ -77,7 +75,8 @@ class PolestarRefresh(RefreshSelector):
         self._window: Window | None = None
         self._store: MemberStore | None = None
         self._side: SideStream | None = None
-        self._compiled_store = None  # the block start's store + proxy scoring, compiled when the steps are
+        self._build: _BuildHook | None = None  # this block start's hook, finished by ``observe``
+        self._compiled_store = None  # ``_store_layers`` compiled, for generations with ``compile=True``
 
     def bind(self, stages: dict) -> None:
         missing = [k for k in ("drift", "cluster", "quant", "offload") if k not in stages]
@@ -116,8 +115,8 @@ class PolestarRefresh(RefreshSelector):
             if self._side is None:
                 self._side = SideStream(state.x.device)
             plan_start = state.block_start - state.logit_shift - plan.target_offset
-            ctx["build"] = _BuildHook(self, state, plan_start, cache, model, ctx)
-            return ctx["build"]
+            self._build = _BuildHook(self, state, plan_start, cache, model, ctx)
+            return self._build
         window: Window = self._window
         if window.size == 0 or "centroids" not in ctx:
             return None
@@ -132,9 +131,9 @@ class PolestarRefresh(RefreshSelector):
         return _UpdateHook(self, state, cache, model, ctx, due)
 
     def observe(self, state: DecodeState, plan: Plan, probe, cache: DecodeCache) -> None:
-        hook = state.extras.get("polestar", {}).pop("build", None)
-        if hook is not None:
-            hook.finish()
+        if self._build is not None:
+            self._build.finish()
+            self._build = None
 
 
 class _BuildHook:
@@ -145,8 +144,8 @@ class _BuildHook:
     stores the members and records the proxy distributions against the layer's keys -- the same keys the hook saw,
     since nothing writes layer ``l``'s K/V after its attention. That work is only consumed by the next step, so on
     CUDA it is issued on the side stream. k-means runs once per window part for all layers together; with
-    ``compile=True`` the store and proxy scoring of all layers run as one compiled graph. The clusterer's random initial keys are drawn when the hook is made, in a
-    fixed (layer, part) order. Clustering itself stays eager: compiling it (torch 2.13, CPU inductor) unrolled the
+    ``compile=True`` the store and proxy scoring of all layers run as one compiled graph. The clusterer's random
+    initial keys are drawn when the hook is made, in a fixed (layer, part) order. Clustering itself stays eager: compiling it (torch 2.13, CPU inductor) unrolled the
     k-means iterations into a ~10k-line kernel that took 20 minutes to build on 2 busy cores and then failed at run
     time in the stable sort of the reseed step (``UnboundLocalError`` in the generated code)."""
 
@@ -156,14 +155,16 @@ class _BuildHook:
         self.slots = (window.positions - plan_start)[None, :].expand(state.batch_size, -1)
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
         n_pre = window.n_prefix
-        self.k_pre, self.k_post = split_clusters(sel.config.n_clusters, n_pre, window.size - n_pre)
-        self.keys: list[list] = []
-        for _ in range(model.spec.n_layers):
-            layer_keys = []
-            for lo, hi, k in ((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post)):
-                use = k > 0 and sel.clusterer.needs_keys
-                layer_keys.append(init_keys(state.batch_size, hi - lo, state.generator, state.x.device) if use else None)
-            self.keys.append(layer_keys)
+        k_pre, k_post = split_clusters(sel.config.n_clusters, n_pre, window.size - n_pre)
+        # (lo, hi, k) column range and cluster count of the prefix and suffix parts; empty parts dropped
+        self.parts = [(lo, hi, k) for lo, hi, k in ((0, n_pre, k_pre), (n_pre, window.size, k_post)) if k > 0]
+        # per part, keys [L * B, n] for all layers, drawn layer by layer (the order of the per-layer clustering)
+        per_part: list[list] = [[] for _ in self.parts]
+        if sel.clusterer.needs_keys:
+            for _ in range(model.spec.n_layers):
+                for drawn, (lo, hi, _k) in zip(per_part, self.parts):
+                    drawn.append(init_keys(state.batch_size, hi - lo, state.generator, state.x.device))
+        self.keys = [torch.cat(drawn) if drawn else None for drawn in per_part]
         self.inputs: list = [None] * model.spec.n_layers
         for key in ("centroids", "labels", "counts", "centroid_pos", "prev"):
             ctx[key] = []
@@ -177,38 +178,27 @@ class _BuildHook:
         sel = self.sel
         with sel._side.run(*self.inputs, *self.cache.k):
             clusters = self._cluster_layers(torch.stack(self.inputs))
-            store = self._store_layers
+            store = _store_layers
             if self.state.compile:
                 if sel._compiled_store is None:
-                    sel._compiled_store = torch.compile(_BuildHook._store_layers, fullgraph=True)
-                store = functools.partial(sel._compiled_store, self)
-            store(self.inputs, *clusters)
-        self.inputs = [None] * len(self.inputs)
-
-    def _store_layers(self, inputs: list, centroids, labels, counts) -> None:
-        for layer, hw in enumerate(inputs):
-            self._store_layer(layer, hw, centroids[layer], labels[layer], counts[layer])
+                    sel._compiled_store = torch.compile(_store_layers, fullgraph=True)
+                store = sel._compiled_store
+            store(self, self.inputs, *clusters)
 
     def _cluster_layers(self, hw: torch.Tensor):
         """``hw [L, B, Nw, d]`` → ``centroids [L, B, K, d]``, ``labels [L, B, Nw]`` (window-wide cluster ids, -1
         invalid), ``counts [L, B, K]``; the prefix and suffix parts are clustered separately."""
         L, B, _, d = hw.shape
-        window = self.sel._window
-        n_pre = window.n_prefix
-        parts, offset = [], 0
-        for part, (lo, hi, k) in enumerate(((0, n_pre, self.k_pre), (n_pre, window.size, self.k_post))):
-            if k == 0:
-                continue
-            keys = self.keys[0][part]
-            if keys is not None:
-                keys = torch.cat([self.keys[layer][part] for layer in range(L)])
+        valid = self.sel._window.valid
+        out, offset = [], 0
+        for (lo, hi, k), keys in zip(self.parts, self.keys):
             x = hw[:, :, lo:hi].reshape(L * B, hi - lo, d).float()
             with scope("cluster"):
-                c, lab, cnt = self.sel.clusterer.cluster(x, k, window.valid[:, lo:hi].repeat(L, 1), None, keys)
-            parts.append((c.view(L, B, k, d), torch.where(lab >= 0, lab + offset, -1).view(L, B, -1), cnt.view(L, B, k)))
+                c, lab, cnt = self.sel.clusterer.cluster(x, k, valid[:, lo:hi].repeat(L, 1), None, keys)
+            out.append((c.view(L, B, k, d), torch.where(lab >= 0, lab + offset, -1).view(L, B, -1), cnt.view(L, B, k)))
             offset += k
-        return (torch.cat([p[0] for p in parts], dim=2).to(hw.dtype), torch.cat([p[1] for p in parts], dim=2),
-                torch.cat([p[2] for p in parts], dim=2))
+        return (torch.cat([p[0] for p in out], dim=2).to(hw.dtype), torch.cat([p[1] for p in out], dim=2),
+                torch.cat([p[2] for p in out], dim=2))
 
     def _store_layer(self, layer: int, hw: torch.Tensor, centroids, labels, counts) -> None:
         ctx, sel = self.ctx, self.sel
@@ -229,6 +219,13 @@ class _BuildHook:
 
     def after_layer(self, layer: int) -> None:
         pass
+
+
+def _store_layers(hook: _BuildHook, inputs: list, centroids, labels, counts) -> None:
+    """Store and score every layer's window (``centroids [L, B, K, d]``, ``labels [L, B, Nw]``, ``counts [L, B, K]``);
+    a free function so one ``torch.compile`` of it serves every block start."""
+    for layer, hw in enumerate(inputs):
+        hook._store_layer(layer, hw, centroids[layer], labels[layer], counts[layer])
 
 
 class _UpdateHook:
