@@ -1,4 +1,4 @@
-"""Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``."""
+"""Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``."""
 
 from __future__ import annotations
 
@@ -111,6 +111,12 @@ def cmd_bench(args) -> int:
     return run_bench_cli(args, parse_sets(args.set))
 
 
+def cmd_agree(args) -> int:
+    from polestar.bench.agreement import agree_cli
+
+    return agree_cli(args.a, args.b)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polestar", description="Fast decoding for diffusion language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true", help="report the share of step time per stage")
     _add_decoding_args(b)
     b.set_defaults(func=cmd_bench)
+    a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")
+    a.add_argument("a", metavar="A.json")
+    a.add_argument("b", metavar="B.json")
+    a.set_defaults(func=cmd_agree)
     return parser
 
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from polestar.bench.agreement import compare_runs
 from polestar.bench.harness import wilson_interval
 from polestar.cli import main
 from polestar.models.loading import build_model, save_model
@@ -67,3 +68,34 @@ def test_wilson_interval():
     lo, hi = wilson_interval(50, 100)
     assert lo < 0.5 < hi and abs((lo + hi) / 2 - 0.5) < 1e-9
     assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+
+
+def _run(items):
+    return {"items": [{"policy": p, "input": i, "generation": g, "correct": c} for p, i, g, c in items]}
+
+
+def test_compare_runs_counts_changed_items_and_tokens():
+    a = _run([("x", "1+1", "1+1=2", True), ("x", "2*2", "2*2=4", True), ("y", "1+1", "1+1=2", True)])
+    b = _run([("x", "1+1", "1+1=2", True), ("x", "2*2", "2*2=5", False), ("y", "1+1", "1+1=2=", True)])
+    res = compare_runs(a, b)
+    assert res["x"]["changed_items"] == 1 and res["x"]["changed_item_rate"] == 0.5
+    assert res["x"]["token_mismatch_rate"] == 1 / 10
+    assert res["x"]["accuracy_a"] == 1.0 and res["x"]["accuracy_b"] == 0.5
+    assert res["y"]["token_mismatch_rate"] == 1 / 6  # a missing character is a mismatch
+    assert compare_runs(a, a)["x"]["token_mismatch_rate"] == 0.0
+    with pytest.raises(ValueError, match="same policies and problems"):
+        compare_runs(a, _run([("x", "1+1", "1+1=2", True)]))
+
+
+def test_agree_on_two_bench_runs(checkpoint, tmp_path, capsys):
+    common = ["bench", "--model", checkpoint, "--task", "arith", "--policies", "polestar-cache", "--n", "2",
+              "--gen-length", "32", "--block-length", "16", "--batch-size", "2"]
+    exact, lossy = tmp_path / "exact.json", tmp_path / "lossy.json"
+    assert main([*common, "--set", "quant=none", "--set", "offload=none", "--json", str(exact)]) == 0
+    assert main([*common, "--set", "quant=nvfp4", "--set", "offload=cpu", "--json", str(lossy)]) == 0
+    capsys.readouterr()
+    assert main(["agree", str(exact), str(lossy)]) == 0
+    out = capsys.readouterr().out
+    assert "polestar-cache" in out and "token mismatch" in out
+    assert main(["agree", str(exact), str(tmp_path / "missing.json")]) == 2
+    assert "no such benchmark JSON" in capsys.readouterr().err

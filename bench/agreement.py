@@ -1,0 +1,76 @@
+"""How far two benchmark runs of the same problems disagree, token by token.
+
+Used to check that a lossy stage (``quant=nvfp4``, ``offload=cpu``) changes few decoded tokens against an exact
+one (``quant=none``, ``offload=none``): run ``polestar bench`` twice with the same problems, policies and decoding,
+once per setting, and compare the two JSON files with ``polestar agree A.json B.json``.
+
+The generations in a benchmark JSON are decoded text; with the shipped character-level tokenizer one character
+is one token, so the character mismatch rate is the token mismatch rate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _mismatches(a: str, b: str) -> int:
+    """Positions where ``a`` and ``b`` differ, a missing character counting as a difference."""
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+
+
+def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per policy: ``{"n", "changed_items", "changed_item_rate", "token_mismatch_rate", "accuracy_a",
+    "accuracy_b"}`` for two ``polestar bench`` results over the same problems.
+
+    Raises ``ValueError`` when the runs do not cover the same (policy, input) pairs in the same order.
+    """
+    key_a = [(i["policy"], i["input"]) for i in a["items"]]
+    key_b = [(i["policy"], i["input"]) for i in b["items"]]
+    if key_a != key_b:
+        raise ValueError("the two runs do not hold the same policies and problems in the same order; "
+                         "rerun both with the same --policies, --task, --n and --data")
+    out: dict[str, dict[str, float]] = {}
+    for ia, ib in zip(a["items"], b["items"]):
+        s = out.setdefault(ia["policy"], {"n": 0, "changed_items": 0, "mismatched": 0, "tokens": 0,
+                                          "correct_a": 0, "correct_b": 0})
+        bad = _mismatches(ia["generation"], ib["generation"])
+        s["n"] += 1
+        s["changed_items"] += bad > 0
+        s["mismatched"] += bad
+        s["tokens"] += max(len(ia["generation"]), len(ib["generation"]))
+        s["correct_a"] += bool(ia["correct"])
+        s["correct_b"] += bool(ib["correct"])
+    return {
+        policy: {
+            "n": s["n"],
+            "changed_items": s["changed_items"],
+            "changed_item_rate": s["changed_items"] / s["n"],
+            "token_mismatch_rate": s["mismatched"] / max(s["tokens"], 1),
+            "accuracy_a": s["correct_a"] / s["n"],
+            "accuracy_b": s["correct_b"] / s["n"],
+        }
+        for policy, s in out.items()
+    }
+
+
+def format_agreement(result: dict[str, dict[str, float]], title: str) -> str:
+    head = f"{'policy':18s} {'n':>5s} {'changed':>8s} {'token mismatch':>15s} {'acc A':>7s} {'acc B':>7s}"
+    lines = [title, head, "-" * len(head)]
+    for policy, s in result.items():
+        lines.append(f"{policy:18s} {s['n']:5d} {100 * s['changed_item_rate']:7.1f}% "
+                     f"{100 * s['token_mismatch_rate']:14.2f}% {100 * s['accuracy_a']:6.1f}% "
+                     f"{100 * s['accuracy_b']:6.1f}%")
+    return "\n".join(lines)
+
+
+def agree_cli(path_a: str, path_b: str) -> int:
+    runs = []
+    for path in (path_a, path_b):
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"{path}: no such benchmark JSON (write one with `polestar bench ... --json`)")
+        runs.append(json.loads(p.read_text()))
+    print(format_agreement(compare_runs(*runs), f"A = {path_a}\nB = {path_b}"))
+    return 0
