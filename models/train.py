@@ -16,6 +16,8 @@ Curriculum aids (off by default; the shipped checkpoints' cards list the stages 
 
 * ``--init DIR`` starts from a checkpoint's weights and architecture (fine-tuning in stages);
 * ``--facts-batch N`` adds a batch of isolated single arith steps ``a<op>b=?`` to every step (the mod-10 tables);
+* ``--chain-facts N`` adds ``N`` arith chains cut just before one intermediate result, with the loss on that
+  result only: the table lookup where decoding needs it (isolated facts are learned but do not transfer);
 * ``--prefix-frac F`` masks a share ``F`` of the rows after a random cut inside the answer instead of at random,
   the context a left-to-right decoder sees (random masking leaves copies of intermediate results visible, so a
   model learns to copy them rather than compute them).
@@ -114,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of rows masked after a random cut in the answer instead of at random (0: pure LLaDA)")
     p.add_argument("--facts-batch", type=int, default=0,
                    help="auxiliary batch of single arith steps 'a<op>b=r' (r masked) per step; 0: off")
+    p.add_argument("--chain-facts", type=int, default=0,
+                   help="rows per step of arith chains cut before one result, loss on that result only")
     p.add_argument("--facts-weight", type=float, default=1.0, help="loss weight of the auxiliary facts batch")
     p.add_argument("--eval-every", type=int, default=400, help="steps between accuracy probes (0: never)")
     p.add_argument("--eval-n", type=int, default=16, help="held-out test problems per task in each probe")
@@ -266,6 +270,31 @@ def facts_loss(model, tok, batch: int, rng: random.Random) -> torch.Tensor:
     return F.cross_entropy(model(x)[:, -1].float(), y)
 
 
+def chain_facts_batch(batcher: "Batcher", batch: int, gen: torch.Generator, mask_id: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Arith chains cut before one intermediate result: ``(ids [B, L], att [B, L], pos [B], target [B])``.
+
+    Each row is a full training row of ``batcher`` (an ``arith``-only batcher) whose answer is kept up to and
+    including the ``=`` of a random step and masked from that step's result on; ``pos`` is the result's index and
+    ``target`` its token. The loss is taken at ``pos`` only: the table lookup in the context where decoding needs
+    it. (Isolated ``a<op>b=?`` facts are learned in ~1,000 steps yet do not transfer into chains: measured 99.6%
+    isolated, 18% in context after the same steps.)
+    """
+    ids, att, P = batcher.sample(batch)
+    eq = batcher.encode("=")[0]
+    is_result = torch.zeros_like(ids, dtype=torch.bool)
+    is_result[:, P + 1 :] = ids[:, P:-1] == eq
+    pos = torch.multinomial(is_result.float(), 1, generator=gen).squeeze(1)
+    target = ids[torch.arange(batch), pos]
+    noisy = torch.where(torch.arange(ids.shape[1])[None, :] >= pos[:, None], torch.full_like(ids, mask_id), ids)
+    return noisy, att, pos, target
+
+
+def chain_facts_loss(model, batcher: "Batcher", batch: int, gen: torch.Generator) -> torch.Tensor:
+    x, att, pos, y = chain_facts_batch(batcher, batch, gen, model.spec.mask_id)
+    return F.cross_entropy(model(x, att)[torch.arange(batch), pos].float(), y)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # evaluation
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,6 +371,7 @@ def train(args: argparse.Namespace) -> dict:
     batcher = Batcher(tok, args.tasks, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     facts_rng = random.Random(args.seed + 1)
+    chain_batcher = Batcher(tok, {"arith": 1.0}, args.seed + 2) if args.chain_facts else None
     budget = args.minutes * 60.0
     bar = None
     if not args.no_progress:
@@ -371,6 +401,8 @@ def train(args: argparse.Namespace) -> dict:
                               prefix_frac=args.prefix_frac)
         if args.facts_batch:
             loss = loss + args.facts_weight * facts_loss(model, tok, args.facts_batch, facts_rng)
+        if args.chain_facts:
+            loss = loss + args.facts_weight * chain_facts_loss(model, chain_batcher, args.chain_facts, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -18,6 +18,7 @@ from polestar.models.train import (
     GEN,
     Batcher,
     build_parser,
+    chain_facts_batch,
     evaluate_checkpoint,
     facts_batch,
     sample_mask,
@@ -42,6 +43,19 @@ def test_facts_batch_holds_single_steps_with_the_result_masked():
     for row, target in zip(x.tolist(), y.tolist()):
         text = tok.decode(row[:4])
         assert text[3] == "=" and tok.decode([target]) == str(solve(text[:3]))
+
+
+def test_chain_facts_cut_each_chain_before_one_of_its_results():
+    tok = build_char_tokenizer()
+    mask = special_ids(tok)["mask"]
+    batcher = Batcher(tok, {"arith": 1.0}, seed=0)
+    x, att, pos, y = chain_facts_batch(batcher, 40, torch.Generator().manual_seed(0), mask)
+    assert x.shape == (40, PROMPT_WIDTH + GEN) and bool(att.all())
+    for row, p, target in zip(x.tolist(), pos.tolist(), y.tolist()):
+        assert all(t == mask for t in row[p:]) and mask not in row[:p]  # kept up to the cut, masked after
+        prompt, answer = tok.decode(row[:PROMPT_WIDTH]), tok.decode(row[PROMPT_WIDTH:p])
+        assert answer.endswith("=") and prompt.strip().startswith("arith:")
+        assert tok.decode([target]) == str(solve(answer[-4:-1]))  # "...7*2=" -> the result of 7*2
 
 
 def test_sample_mask_prefix_rows_hide_a_suffix_inside_the_answer():
@@ -93,7 +107,7 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
     tuned = tmp_path / "tuned"
     args = build_parser().parse_args([
         "--family", "llada", "--init", str(out), "--out", str(tuned), "--steps", "2", "--threads", "1",
-        "--batch", "4", "--tasks", "arith", "--facts-batch", "8", "--prefix-frac", "0.5", "--eval-every", "0",
+        "--batch", "4", "--tasks", "arith", "--facts-batch", "8", "--chain-facts", "4", "--prefix-frac", "0.5", "--eval-every", "0",
         "--final-n", "0", "--no-progress",
     ])
     assert train(args)["model"].spec == model.spec

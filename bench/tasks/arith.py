@@ -4,20 +4,13 @@ Input: a start digit followed by 3-6 operations ``+``, ``-`` or ``*`` with a dig
 Evaluation is strictly left to right and every intermediate result is taken mod 10 (a dependency chain:
 each step uses the previous result, like GSM8K).
 
-Reference output: the chain rewritten with every intermediate result after an ``=``; each result is the
-left operand of the next step, so it is written once::
+Reference output: one step per operation, comma separated, each ``prev<op>digit=result``::
 
     prompt  "arith:3+4*2-5="
-    answer  "3+4=7*2=4-5=9"
-
-Writing each result once matters for training: in the earlier layout ``3+4=7,7*2=4,4-5=9`` every result also
-appeared as the next step's left operand, and masked-diffusion training (which rarely hides both copies) taught
-small models to copy it from there instead of computing it -- they then failed whenever they decoded left to
-right (see ``docs/log.md``). Here a result can only be computed, from the three characters before its ``=``.
+    answer  "3+4=7,7*2=4,4-5=9"
 
 The checker only grades the final answer: the text after the last ``=`` must be exactly the true result
-digit (so the earlier layout, ``"...,=9"`` or a bare ``"9"`` are accepted too); intermediate steps are not
-checked.
+digit (so ``"...,=9"`` or a bare ``"9"`` are accepted too); intermediate steps are not checked.
 """
 
 from __future__ import annotations
@@ -69,7 +62,7 @@ class ArithTask:
     min_ops: int = 3
     max_ops: int = 6
     max_input_chars: int = 13  # 1 + 2 * max_ops
-    max_output_chars: int = 25  # 1 + 4 * max_ops
+    max_output_chars: int = 35  # 6 * max_ops - 1
 
     def sample(self, rng: random.Random) -> Problem:
         """Draw a chain with a random start digit and ``min_ops..max_ops`` random operations."""
@@ -82,8 +75,8 @@ class ArithTask:
         return Problem(self.name, input, self.reference(input))
 
     def reference(self, input: str) -> str:
-        """The canonical step-by-step answer, e.g. ``"3+4=7*2=4-5=9"``."""
-        return input[0] + "".join(f"{op}{b}={r}" for _, op, b, r in steps(input))
+        """The canonical step-by-step answer, e.g. ``"3+4=7,7*2=4,4-5=9"``."""
+        return ",".join(f"{a}{op}{b}={r}" for a, op, b, r in steps(input))
 
     def format_prompt(self, input: str) -> str:
         """``f"arith:{input}="``."""
