@@ -1,4 +1,8 @@
-"""Render docs/results.md from the JSON files written by bench/run_results.sh (``python bench/render_results.py``)."""
+"""Render docs/results.md from the files written by bench/run_results.sh and bench/run_agreement.sh
+(``python bench/render_results.py``).
+
+The tables are regenerated; hand-written analysis below the ``NOTES_MARKER`` line of the existing page is kept.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ RESULTS = Path("docs/results")
 HEADER = """# Results
 
 Measured on this project's CPU machine (2 cores, shared), with the shipped checkpoints `tiny-llada` and
-`tiny-dream` (≈1M parameters, trained in three stages of about 2 hours in all; see their model cards), greedy decoding, generation length
+`tiny-dream` (≈1M parameters, trained in four stages of about 3 hours in all; see their model cards), greedy decoding, generation length
 64 in 4 blocks of 16, `threshold` 0.9 unless stated, n = {n} test problems per task. Reproduce with
 `bash bench/run_results.sh {n}` then `python bench/render_results.py`.
 
@@ -21,8 +25,25 @@ over layers and steps) per generated token; NFE = forward passes per problem.
 
 """
 
+NOTES_MARKER = "<!-- notes: everything below is written by hand and kept by render_results.py -->"
+AGREEMENT_HEADER = """## Lossy stages: token agreement (`bash bench/run_agreement.sh`)
+
+The same problems decoded with `quant=none, offload=none` (A) and `quant=nvfp4, offload=cpu` (B); `changed` is
+the share of problems whose generation differs, `token mismatch` the share of generated tokens that differ.
+"""
+
+
+def kept_notes(page: Path) -> str:
+    """The hand-written part of an existing results page (from the marker on), or just the marker."""
+    if page.exists():
+        text = page.read_text()
+        if NOTES_MARKER in text:
+            return text[text.index(NOTES_MARKER):]
+    return NOTES_MARKER + "\n"
+
 
 def main() -> None:
+    page = Path("docs/results.md")
     files = sorted(RESULTS.glob("*.json"))
     n = next((json.loads(f.read_text())["n"] for f in files), 0)
     parts = [HEADER.format(n=n)]
@@ -34,7 +55,12 @@ def main() -> None:
         png = f.with_suffix(".png")
         if png.exists():
             parts.append(f"![{f.stem}](results/{png.name})\n")
-    Path("docs/results.md").write_text("\n".join(parts))
+    agreement = sorted(RESULTS.glob("*-agree.txt"))
+    if agreement:
+        parts.append(AGREEMENT_HEADER)
+        parts += [f"```\n{f.read_text().rstrip()}\n```\n" for f in agreement]
+    parts.append(kept_notes(page))
+    page.write_text("\n".join(parts))
 
 
 if __name__ == "__main__":
