@@ -271,28 +271,38 @@ def facts_loss(model, tok, batch: int, rng: random.Random) -> torch.Tensor:
 
 
 def chain_facts_batch(batcher: "Batcher", batch: int, gen: torch.Generator, mask_id: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Arith chains cut before one intermediate result: ``(ids [B, L], att [B, L], pos [B], target [B])``.
+                      ) -> tuple[torch.Tensor, ...]:
+    """Arith chains cut before one intermediate result:
+    ``(ids [B, L], att [B, L], pos [B, 2], target [B, 2], valid [B, 2] bool)``.
 
     Each row is a full training row of ``batcher`` (an ``arith``-only batcher) whose answer is kept up to and
-    including the ``=`` of a random step and masked from that step's result on; ``pos`` is the result's index and
-    ``target`` its token. The loss is taken at ``pos`` only: the table lookup in the context where decoding needs
-    it. (Isolated ``a<op>b=?`` facts are learned in ~1,000 steps yet do not transfer into chains: measured 99.6%
-    isolated, 18% in context after the same steps.)
+    including the ``=`` of a random step and masked from that step's result on. ``pos[:, 0]`` is the result's
+    index and ``pos[:, 1]`` that of its copy, the next step's left operand (``...=7,7*2``; ``valid[:, 1]`` is
+    False for the last step); the loss is taken there only, against the original tokens: the table lookup in the
+    context where decoding needs it, at both places a decoder may commit the value first. (Isolated
+    ``a<op>b=?`` facts are learned in ~1,000 steps yet do not transfer into chains: measured 99.6% isolated, 18%
+    in context after the same steps.)
     """
     ids, att, P = batcher.sample(batch)
-    eq = batcher.encode("=")[0]
+    eq, comma = batcher.encode("=")[0], batcher.encode(",")[0]
     is_result = torch.zeros_like(ids, dtype=torch.bool)
     is_result[:, P + 1 :] = ids[:, P:-1] == eq
-    pos = torch.multinomial(is_result.float(), 1, generator=gen).squeeze(1)
-    target = ids[torch.arange(batch), pos]
-    noisy = torch.where(torch.arange(ids.shape[1])[None, :] >= pos[:, None], torch.full_like(ids, mask_id), ids)
-    return noisy, att, pos, target
+    first = torch.multinomial(is_result.float(), 1, generator=gen).squeeze(1)
+    rows = torch.arange(batch)
+    copy = (first + 2).clamp(max=ids.shape[1] - 1)
+    has_copy = ids[rows, (first + 1).clamp(max=ids.shape[1] - 1)] == comma
+    pos = torch.stack([first, torch.where(has_copy, copy, first)], dim=1)
+    valid = torch.stack([torch.ones_like(has_copy), has_copy], dim=1)
+    target = ids[rows[:, None], pos]
+    noisy = torch.where(torch.arange(ids.shape[1])[None, :] >= first[:, None], torch.full_like(ids, mask_id), ids)
+    return noisy, att, pos, target, valid
 
 
 def chain_facts_loss(model, batcher: "Batcher", batch: int, gen: torch.Generator) -> torch.Tensor:
-    x, att, pos, y = chain_facts_batch(batcher, batch, gen, model.spec.mask_id)
-    return F.cross_entropy(model(x, att)[torch.arange(batch), pos].float(), y)
+    x, att, pos, target, valid = chain_facts_batch(batcher, batch, gen, model.spec.mask_id)
+    logits = model(x, att)[torch.arange(batch)[:, None], pos].float()  # [B, 2, V]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    return (ce * valid.reshape(-1)).sum() / valid.sum()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -49,13 +49,15 @@ def test_chain_facts_cut_each_chain_before_one_of_its_results():
     tok = build_char_tokenizer()
     mask = special_ids(tok)["mask"]
     batcher = Batcher(tok, {"arith": 1.0}, seed=0)
-    x, att, pos, y = chain_facts_batch(batcher, 40, torch.Generator().manual_seed(0), mask)
-    assert x.shape == (40, PROMPT_WIDTH + GEN) and bool(att.all())
-    for row, p, target in zip(x.tolist(), pos.tolist(), y.tolist()):
-        assert all(t == mask for t in row[p:]) and mask not in row[:p]  # kept up to the cut, masked after
+    x, att, pos, target, valid = chain_facts_batch(batcher, 40, torch.Generator().manual_seed(0), mask)
+    assert x.shape == (40, PROMPT_WIDTH + GEN) and bool(att.all()) and bool(valid[:, 0].all())
+    assert 0 < int(valid[:, 1].sum()) < 40  # the last step's result has no copy
+    for row, (p, p_copy), (t, t_copy), (_, has_copy) in zip(x.tolist(), pos.tolist(), target.tolist(), valid.tolist()):
+        assert all(tok_id == mask for tok_id in row[p:]) and mask not in row[:p]  # kept up to the cut, masked after
         prompt, answer = tok.decode(row[:PROMPT_WIDTH]), tok.decode(row[PROMPT_WIDTH:p])
         assert answer.endswith("=") and prompt.strip().startswith("arith:")
-        assert tok.decode([target]) == str(solve(answer[-4:-1]))  # "...7*2=" -> the result of 7*2
+        assert tok.decode([t]) == str(solve(answer[-4:-1]))  # "...7*2=" -> the result of 7*2
+        assert p_copy == (p + 2 if has_copy else p) and t_copy == t  # "=7,7": the next left operand
 
 
 def test_sample_mask_prefix_rows_hide_a_suffix_inside_the_answer():
