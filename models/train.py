@@ -270,7 +270,7 @@ def facts_loss(model, tok, batch: int, rng: random.Random) -> torch.Tensor:
     return F.cross_entropy(model(x)[:, -1].float(), y)
 
 
-def chain_facts_batch(batcher: "Batcher", batch: int, gen: torch.Generator, mask_id: int
+def chain_facts_batch(batcher: Batcher, batch: int, gen: torch.Generator, mask_id: int
                       ) -> tuple[torch.Tensor, ...]:
     """Arith chains cut before one intermediate result:
     ``(ids [B, L], att [B, L], pos [B, 2], target [B, 2], valid [B, 2] bool)``.
@@ -298,7 +298,7 @@ def chain_facts_batch(batcher: "Batcher", batch: int, gen: torch.Generator, mask
     return noisy, att, pos, target, valid
 
 
-def chain_facts_loss(model, batcher: "Batcher", batch: int, gen: torch.Generator) -> torch.Tensor:
+def chain_facts_loss(model, batcher: Batcher, batch: int, gen: torch.Generator) -> torch.Tensor:
     x, att, pos, target, valid = chain_facts_batch(batcher, batch, gen, model.spec.mask_id)
     logits = model(x, att)[torch.arange(batch)[:, None], pos].float()  # [B, 2, V]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
