@@ -270,8 +270,8 @@ def facts_loss(model, tok, batch: int, rng: random.Random) -> torch.Tensor:
     return F.cross_entropy(model(x)[:, -1].float(), y)
 
 
-def chain_facts_batch(batcher: Batcher, batch: int, gen: torch.Generator, mask_id: int
-                      ) -> tuple[torch.Tensor, ...]:
+def chain_facts_batch(batcher: Batcher, batch: int, gen: torch.Generator, mask_id: int,
+                      random_after: bool = False) -> tuple[torch.Tensor, ...]:
     """Arith chains cut before one intermediate result:
     ``(ids [B, L], att [B, L], pos [B, 2], target [B, 2], valid [B, 2] bool)``.
 
@@ -281,7 +281,9 @@ def chain_facts_batch(batcher: Batcher, batch: int, gen: torch.Generator, mask_i
     False for the last step); the loss is taken there only, against the original tokens: the table lookup in the
     context where decoding needs it, at both places a decoder may commit the value first. (Isolated
     ``a<op>b=?`` facts are learned in ~1,000 steps yet do not transfer into chains: measured 99.6% isolated, 18%
-    in context after the same steps.)
+    in context after the same steps.) With ``random_after`` the positions after the cut are masked at a rate
+    ``t ~ U(0, 1)`` per row instead of all (the value and its copy always): a confidence-ordered decoder often
+    commits later layout tokens first, and a model trained on clean prefixes alone computes badly beside them.
     """
     ids, att, P = batcher.sample(batch)
     eq, comma = batcher.encode("=")[0], batcher.encode(",")[0]
@@ -294,12 +296,17 @@ def chain_facts_batch(batcher: Batcher, batch: int, gen: torch.Generator, mask_i
     pos = torch.stack([first, torch.where(has_copy, copy, first)], dim=1)
     valid = torch.stack([torch.ones_like(has_copy), has_copy], dim=1)
     target = ids[rows[:, None], pos]
-    noisy = torch.where(torch.arange(ids.shape[1])[None, :] >= first[:, None], torch.full_like(ids, mask_id), ids)
+    after = torch.arange(ids.shape[1])[None, :] >= first[:, None]
+    if random_after:  # later positions masked at a random rate per row; the value and its copy always
+        keep_rate = torch.rand(batch, 1, generator=gen)
+        after = after & (torch.rand(ids.shape, generator=gen) >= keep_rate)
+        after[rows[:, None], pos] = True
+    noisy = torch.where(after, torch.full_like(ids, mask_id), ids)
     return noisy, att, pos, target, valid
 
 
 def chain_facts_loss(model, batcher: Batcher, batch: int, gen: torch.Generator) -> torch.Tensor:
-    x, att, pos, target, valid = chain_facts_batch(batcher, batch, gen, model.spec.mask_id)
+    x, att, pos, target, valid = chain_facts_batch(batcher, batch, gen, model.spec.mask_id, random_after=True)
     logits = model(x, att)[torch.arange(batch)[:, None], pos].float()  # [B, 2, V]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
     return (ce * valid.reshape(-1)).sum() / valid.sum()

@@ -58,6 +58,12 @@ def test_chain_facts_cut_each_chain_before_one_of_its_results():
         assert answer.endswith("=") and prompt.strip().startswith("arith:")
         assert tok.decode([t]) == str(solve(answer[-4:-1]))  # "...7*2=" -> the result of 7*2
         assert p_copy == (p + 2 if has_copy else p) and t_copy == t  # "=7,7": the next left operand
+    x, _, pos, _, _ = chain_facts_batch(batcher, 40, torch.Generator().manual_seed(1), mask, random_after=True)
+    cut = pos[:, 0]
+    assert bool((x[torch.arange(40)[:, None], pos] == mask).all())  # the value and its copy stay hidden
+    before = torch.arange(x.shape[1])[None, :] < cut[:, None]
+    assert not bool((x[before] == mask).any())
+    assert 0 < int((x[~before] != mask).sum())  # some later tokens are left visible
 
 
 def test_sample_mask_prefix_rows_hide_a_suffix_inside_the_answer():
