@@ -15,9 +15,10 @@ RESULTS = Path("docs/results")
 HEADER = """# Results
 
 Measured on this project's CPU machine (2 cores, shared), with the shipped checkpoints `tiny-llada` and
-`tiny-dream` (≈1M parameters, trained in four stages of about 3 hours in all; see their model cards), greedy decoding, generation length
+`tiny-dream` (≈1M parameters, trained in five stages of about 3 hours in all; see their model cards), greedy decoding, generation length
 64 in 4 blocks of 16, `threshold` 0.9 unless stated, n = {n} test problems per task. Reproduce with
-`bash bench/run_results.sh {n}` then `python bench/render_results.py`.
+`TASKS="arith sudoku" bash bench/run_results.sh {n}`, `bash bench/run_agreement.sh {n}`, then
+`python bench/render_results.py`.
 
 Columns: accuracy with its 95% Wilson interval; TPF = generated non-EOS tokens per forward; TPS = tokens per
 second (noisy: several jobs shared the 2 cores); evals/tok = token-layer evaluations (positions computed, summed
