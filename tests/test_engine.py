@@ -24,7 +24,9 @@ def test_baseline_matches_llada_generate(family, steps, gen, block):
 @pytest.mark.parametrize("policy,cache", [("parallel", "none"), ("fast-dllm-prefix", "prefix"), ("fast-dllm", "dual")])
 @pytest.mark.parametrize("threshold", [0.9, 0.05])
 def test_threshold_policies_match_fastdllm(family, policy, cache, threshold):
-    m = make_model(family, seed=1)
+    # float64: the cached and the reference computations round differently in float32, which flipped a
+    # near-tie of this random model on one CPU (identical in float64)
+    m = make_model(family, seed=1).double()
     out = polestar.generate(m, PROMPT, policy=policy, gen_length=16, block_length=8, threshold=threshold,
                             stop_at_eos=False)
     ref, nfe = fastdllm_generate(m, torch.tensor(PROMPT), 16, 8, threshold, cache)
