@@ -16,8 +16,9 @@ Curriculum aids (off by default; the shipped checkpoints' cards list the stages 
 
 * ``--init DIR`` starts from a checkpoint's weights and architecture (fine-tuning in stages);
 * ``--facts-batch N`` adds a batch of isolated single arith steps ``a<op>b=?`` to every step (the mod-10 tables);
-* ``--chain-facts N`` adds ``N`` arith chains cut just before one intermediate result, with the loss on that
-  result only: the table lookup where decoding needs it (isolated facts are learned but do not transfer);
+* ``--chain-facts N`` adds ``N`` arith chains cut just before one intermediate result (later positions masked
+  at a random rate), with the loss on that result and its copy only: the table lookup where decoding needs it
+  (isolated facts are learned but do not transfer);
 * ``--prefix-frac F`` masks a share ``F`` of the rows after a random cut inside the answer instead of at random,
   the context a left-to-right decoder sees (random masking leaves copies of intermediate results visible, so a
   model learns to copy them rather than compute them).
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--facts-batch", type=int, default=0,
                    help="auxiliary batch of single arith steps 'a<op>b=r' (r masked) per step; 0: off")
     p.add_argument("--chain-facts", type=int, default=0,
-                   help="rows per step of arith chains cut before one result, loss on that result only")
+                   help="rows per step of arith chains cut before one result, loss on that result and its copy")
     p.add_argument("--facts-weight", type=float, default=1.0, help="loss weight of the auxiliary facts batch")
     p.add_argument("--eval-every", type=int, default=400, help="steps between accuracy probes (0: never)")
     p.add_argument("--eval-n", type=int, default=16, help="held-out test problems per task in each probe")
