@@ -15,8 +15,8 @@ RESULTS = Path("docs/results")
 HEADER = """# Results
 
 Measured on this project's CPU machine (2 cores, shared), with the shipped checkpoints `tiny-llada` and
-`tiny-dream` (≈1M parameters, trained in five stages of about 3 hours in all; see their model cards), greedy decoding, generation length
-64 in 4 blocks of 16, `threshold` 0.9 unless stated, n = {n} test problems per task. Reproduce with
+`tiny-dream` (≈1M parameters, trained in five stages of about 3 hours in all; see their model cards), greedy
+decoding, generation length 64 in 4 blocks of 16, `threshold` 0.9 unless stated, n = {n} test problems per task. Reproduce with
 `TASKS="arith sudoku" bash bench/run_results.sh {n}`, `bash bench/run_agreement.sh {n}`, then
 `python bench/render_results.py`.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the tables of docs/results.md (CPU; about 20 minutes per model and task at N=200 on one core).
+# Regenerates the tables of docs/results.md (CPU; about 10 minutes per model and task at N=200 on one core).
 # Usage: bash bench/run_results.sh [N]   (MODELS="tiny-llada" to run one checkpoint, TASKS="arith sudoku" to
 # run some tasks; two processes with one model each use both cores)
 set -euo pipefail

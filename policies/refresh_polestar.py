@@ -145,9 +145,10 @@ class _BuildHook:
     since nothing writes layer ``l``'s K/V after its attention. That work is only consumed by the next step, so on
     CUDA it is issued on the side stream. k-means runs once per window part for all layers together; with
     ``compile=True`` the store and proxy scoring of all layers run as one compiled graph. The clusterer's random
-    initial keys are drawn when the hook is made, in a fixed (layer, part) order. Clustering itself stays eager: compiling it (torch 2.13, CPU inductor) unrolled the
-    k-means iterations into a ~10k-line kernel that took 20 minutes to build on 2 busy cores and then failed at run
-    time in the stable sort of the reseed step (``UnboundLocalError`` in the generated code)."""
+    initial keys are drawn when the hook is made, in a fixed (layer, part) order. Clustering itself stays eager:
+    compiling it (torch 2.13, CPU inductor) unrolled the k-means iterations into a ~10k-line kernel that took 20
+    minutes to build on 2 busy cores and then failed at run time in the stable sort of the reseed step
+    (``UnboundLocalError`` in the generated code)."""
 
     def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, ctx):
         self.sel, self.state, self.cache, self.model, self.ctx = sel, state, cache, model, ctx

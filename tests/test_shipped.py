@@ -3,7 +3,7 @@
 import pytest
 
 import polestar
-from polestar.bench.tasks import get_task
+from polestar.bench.tasks import get_task, split
 from polestar.models.loading import shipped_checkpoints
 
 
@@ -34,8 +34,6 @@ def test_shipped_checkpoint_has_the_real_tensor_names(shipped):
 def test_shipped_checkpoints_solve_arith(shipped):
     """The ground truth is real: one-token-per-step decoding answers most held-out arith chains (90.0% and
     95.5% on n = 200 in docs/results.md; 40 problems here, the bound set well below to stay robust)."""
-    from polestar.bench.tasks import split
-
     task = get_task("arith")
     problems = split(task, 40, "test", seed=0)
     out = polestar.generate(shipped, [task.format_prompt(p.input) for p in problems], policy="baseline",
