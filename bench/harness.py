@@ -197,11 +197,14 @@ def _progress(total: int, show: bool):
 
 def run_bench_cli(args, options: dict[str, Any]) -> int:
     decoding = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                    temperature=args.temperature, seed=args.seed, compile=args.compile)
+                    temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos,
+                    compile=args.compile)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
                        args.dtype, args.device)
     title = f"{args.model} / {args.task} / n={result['n']} / gen {args.gen_length} block {args.block_length}"
+    if not args.stop_at_eos:
+        title += " / no stop at EOS"
     print(format_table(result["summary"], title))
     if args.profile:
         result["profile"] = profile_policies(args.model, args.task, policies, min(args.n, 8), options, decoding,

@@ -1,10 +1,12 @@
-"""Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``."""
+"""Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``,
+``polestar anatomy``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -37,6 +39,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
+                   help="decode every block even after a sequence has committed its EOS (as LLaDA's and Fast-dLLM's "
+                        "reference loops do); by default a sequence stops there")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
@@ -53,7 +58,8 @@ def cmd_generate(args) -> int:
         prompts = [get_task(args.task).format_prompt(p) for p in args.prompt]
     out = polestar.generate(
         model, prompts, policy=args.policy, gen_length=args.gen_length, block_length=args.block_length,
-        steps=args.steps, temperature=args.temperature, seed=args.seed, compile=args.compile, **parse_sets(args.set),
+        steps=args.steps, temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos,
+        compile=args.compile, **parse_sets(args.set),
     )
     if args.json:
         print(json.dumps({
@@ -117,6 +123,20 @@ def cmd_agree(args) -> int:
     return agree_cli(args.a, args.b)
 
 
+def cmd_anatomy(args) -> int:
+    from polestar.bench.anatomy import commit_anatomy, format_anatomy
+
+    decoding = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                    temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    result = commit_anatomy(args.model, args.task, policies, args.n, parse_sets(args.set), decoding,
+                            args.batch_size, args.data, args.dtype, args.device)
+    print(format_anatomy(result, f"{args.model} / {args.task} / n={args.n} / commit anatomy"))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polestar", description="Fast decoding for diffusion language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true", help="report the share of step time per stage")
     _add_decoding_args(b)
     b.set_defaults(func=cmd_bench)
+    an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")
+    an.add_argument("--model", default="tiny-llada")
+    an.add_argument("--task", default="arith")
+    an.add_argument("--policies", default="fast-dllm,polestar")
+    an.add_argument("--n", type=int, default=100)
+    an.add_argument("--batch-size", type=int, default=50)
+    an.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
+    an.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    _add_decoding_args(an)
+    an.set_defaults(func=cmd_anatomy)
     a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")
     a.add_argument("a", metavar="A.json")
     a.add_argument("b", metavar="B.json")

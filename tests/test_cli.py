@@ -32,6 +32,18 @@ def test_generate_json(checkpoint, capsys):
     assert out["stats"]["nfe"] >= 1 and out["stages"]["refresh"]["name"] == "polestar"
 
 
+def test_no_stop_at_eos_decodes_every_block(checkpoint, capsys):
+    args = ["generate", "--model", checkpoint, "--prompt", "3+4", "--policy", "fast-dllm", "--gen-length", "32",
+            "--block-length", "16", "--json"]
+    assert main(args + ["--no-stop-at-eos"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    mask_id = special_ids(build_char_tokenizer())["mask"]
+    assert mask_id not in full["tokens"][0][full["prompt_len"]:]
+    assert full["stats"]["nfe"] >= stopped["stats"]["nfe"] >= 1
+
+
 def test_policies_lists_every_policy(capsys):
     assert main(["policies", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

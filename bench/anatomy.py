@@ -1,0 +1,146 @@
+"""Commit anatomy: where a policy's commits come from, and how confident the model was when they were made.
+
+An adaptive commit rule (Polestar's drift-delta early commit, EB-sampler, KLASS) can only raise tokens per forward
+above Fast-dLLM's threshold rule by committing tokens whose confidence is *below* the threshold τ. How many such
+candidates a model offers is a property of the model and task, not of the rule. This tool decodes a task with a
+policy, wraps its commit rule in :class:`CommitRecorder`, and counts, over every (row, step) of the current
+block:
+
+* the masked candidates by confidence bin: ``< 0.5``, ``0.5 – lower``, ``lower – τ`` (the early-commit band;
+  ``lower`` is the rule's ``min_confidence``, 0.7 when it has none) and ``≥ τ``;
+* the commits by origin: confidence ≥ τ, the row's top-1 below τ (the "always commit one" fallback), other
+  commits below τ (what the adaptive rule adds), and suffix-block commits after the block;
+* for Polestar-Commit, band candidates that had a drift delta and those whose delta passed the gate
+  ``alpha (τ − c)²``.
+
+It reads tensors back to the host every step, so it is a diagnostic, not a way to time a policy. Command line:
+``polestar anatomy --model tiny-llada --task arith --policies fast-dllm,polestar --n 100``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import attrs
+import torch
+
+import polestar
+from polestar.api import _decode_texts, encode_prompts
+from polestar.config import GenerationConfig
+from polestar.engine import decode
+from polestar.policies.commit_adaptive import PolestarCommit
+
+from .harness import load_problems
+from .tasks import get_task
+
+BIN_LABELS = ("<0.5", "0.5-lower", "band", ">=tau")
+COMMIT_LABELS = ("confident", "top1_below_tau", "other_below_tau", "suffix")
+
+
+class CommitRecorder:
+    """Wraps a commit rule and counts its candidates and commits (see the module docstring); every other attribute
+    is the wrapped rule's, so the engine sees the same rule. ``counts`` holds plain ints.
+
+    Shapes as :class:`~polestar.stages.CommitRule`: ``pred.confidence [B, bl]`` (``-inf`` outside the masked
+    positions), ``masked [B, bl]``, the returned selection ``[B, bl]``; suffix commits ``[B, N]``.
+    """
+
+    def __init__(self, rule: Any, threshold: float | None = None, lower: float | None = None):
+        self._rule = rule
+        cfg = rule.config
+        self.tau = float(threshold if threshold is not None else getattr(cfg, "threshold", 0.9))
+        self.lower = float(lower if lower is not None else getattr(cfg, "min_confidence", 0.7))
+        if not 0.5 <= self.lower <= self.tau:
+            raise ValueError(f"need 0.5 <= lower ({self.lower}) <= threshold ({self.tau})")
+        self.counts: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rule, name)
+
+    def select(self, pred, masked: torch.Tensor, state) -> torch.Tensor:
+        chosen = self._rule.select(pred, masked, state)
+        conf = pred.confidence
+        live = masked & state.active[:, None]
+        rows = live.any(dim=1)
+        c = self.counts
+        c["row_steps"] += int(rows.sum())
+        c["candidates"] += int(live.sum())
+        for label, lo, hi in zip(BIN_LABELS, (0.0, 0.5, self.lower, self.tau), (0.5, self.lower, self.tau, 2.0)):
+            c[label] += int((live & (conf >= lo) & (conf < hi)).sum())
+        top1 = torch.zeros_like(live).scatter_(1, conf.argmax(dim=1, keepdim=True), True) & live
+        # the engine commits the top-1 of a row the rule left without a commit
+        taken = (chosen & live) | (top1 & ~(chosen & live).any(dim=1, keepdim=True))
+        below = taken & (conf < self.tau)
+        c["confident"] += int((taken & (conf >= self.tau)).sum())
+        c["top1_below_tau"] += int((below & top1).sum())
+        c["other_below_tau"] += int((below & ~top1).sum())
+        if isinstance(self._rule, PolestarCommit):
+            self._count_gate(conf, live, state)
+        return chosen
+
+    def _count_gate(self, conf: torch.Tensor, live: torch.Tensor, state) -> None:
+        delta = state.extras.get("polestar_commit", {}).get("delta")
+        band = live & (conf > self.lower) & (conf < self.tau)
+        if delta is None or not bool(band.any()):
+            return
+        cfg = self._rule.config
+        gate = cfg.alpha * (cfg.threshold - conf).clamp_min(0.0) ** 2
+        self.counts["band_with_delta"] += int(band.sum())
+        self.counts["delta_passed_gate"] += int((band & (delta.double() >= gate) & (delta < cfg.delta_cap)).sum())
+
+    def suffix(self, state):
+        extra = self._rule.suffix(state)
+        if extra is not None:
+            self.counts["suffix"] += int(extra[2].sum())
+        return extra
+
+
+def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
+                   decoding: dict[str, Any], batch_size: int = 50, data: str | None = None,
+                   dtype: str = "float32", device: str = "cpu") -> dict[str, dict[str, float]]:
+    """Decode ``n`` problems of ``task_name`` with each policy and return its commit counts (see module docstring)
+    plus ``accuracy`` and ``tpf``; ``options`` are stage options as in ``polestar bench --set``."""
+    if batch_size < 1 or n < 1:
+        raise ValueError("n and batch_size must be at least 1")
+    task = get_task(task_name)
+    config = GenerationConfig(**decoding)
+    pipelines = {name: polestar.assemble(name, {k + "?": v for k, v in options.items()}) for name in policies}
+    model = polestar.load(model_name, dtype=dtype, device=device)
+    problems = load_problems(task_name, n, data)
+    out: dict[str, dict[str, float]] = {}
+    for name, pipeline in pipelines.items():
+        recorder = CommitRecorder(pipeline.commit)
+        wrapped = attrs.evolve(pipeline, stages={**pipeline.stages, "commit": recorder})
+        correct = tokens = nfe = 0
+        for start in range(0, len(problems), batch_size):
+            chunk = problems[start : start + batch_size]
+            ids, mask = encode_prompts(model, [task.format_prompt(p.input) for p in chunk])
+            result, stats = decode(model, ids, mask, wrapped, config)
+            texts = _decode_texts(model, result[:, ids.shape[1] :])
+            correct += sum(bool(task.check(p.input, t)) for p, t in zip(chunk, texts))
+            tokens += stats.tokens
+            nfe += sum(s.nfe for s in stats.sequences)
+        row = {label: recorder.counts[label] for label in ("row_steps", "candidates", *BIN_LABELS, *COMMIT_LABELS)}
+        if isinstance(pipeline.commit, PolestarCommit):
+            row["band_with_delta"] = recorder.counts["band_with_delta"]
+            row["delta_passed_gate"] = recorder.counts["delta_passed_gate"]
+        row.update(accuracy=correct / len(problems), tpf=tokens / max(nfe, 1), tau=recorder.tau, lower=recorder.lower)
+        out[name] = row
+    return out
+
+
+def format_anatomy(result: dict[str, dict[str, float]], title: str) -> str:
+    """A table: candidate shares per confidence bin and commits per origin, one row per policy."""
+    head = (f"{'policy':16s} {'acc':>6s} {'TPF':>5s} {'cand.':>7s} {'<0.5':>6s} {'0.5-lo':>6s} {'band':>6s} "
+            f"{'>=tau':>6s} {'c>=tau':>7s} {'top1<tau':>8s} {'other<tau':>9s} {'suffix':>6s} {'gate':>9s}")
+    lines = [title, head, "-" * len(head)]
+    for name, r in result.items():
+        cand = max(r["candidates"], 1)
+        shares = " ".join(f"{100 * r[b] / cand:5.1f}%" for b in BIN_LABELS)
+        gate = f"{r['delta_passed_gate']}/{r['band_with_delta']}" if "band_with_delta" in r else "-"
+        lines.append(
+            f"{name:16s} {100 * r['accuracy']:5.1f}% {r['tpf']:5.2f} {r['candidates']:7d} {shares} "
+            f"{r['confident']:7d} {r['top1_below_tau']:8d} {r['other_below_tau']:9d} {r['suffix']:6d} {gate:>9s}"
+        )
+    return "\n".join(lines)
