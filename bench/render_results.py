@@ -34,6 +34,16 @@ the share of problems whose generation differs, `token mismatch` the share of ge
 """
 
 
+ANATOMY_HEADER = """## Commit anatomy (`polestar anatomy`)
+
+Masked candidates of the current block over every (row, step), by confidence: below 0.5, 0.5 to the early-commit
+band, the band (0.7 – 0.9) and at or above τ = 0.9; then the commits by origin: confidence ≥ τ, the forced top-1
+below τ, other commits below τ (Polestar's drift-delta early commits) and suffix-block commits; `gate` = band
+candidates whose drift delta passed `alpha (τ − c)²` / band candidates with a delta. `noeos`: every block decoded
+(`--no-stop-at-eos`), as in LLaDA's and Fast-dLLM's reference loops.
+"""
+
+
 def kept_notes(page: Path) -> str:
     """The hand-written part of an existing results page (from the marker on), or just the marker."""
     if page.exists():
@@ -60,6 +70,10 @@ def main() -> None:
     if agreement:
         parts.append(AGREEMENT_HEADER)
         parts += [f"```\n{f.read_text().rstrip()}\n```\n" for f in agreement]
+    anatomy = sorted(RESULTS.glob("*-anatomy*.txt"))
+    if anatomy:
+        parts.append(ANATOMY_HEADER)
+        parts += [f"```\n{f.read_text().rstrip()}\n```\n" for f in anatomy]
     parts.append(kept_notes(page))
     page.write_text("\n".join(parts))
 

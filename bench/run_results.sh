@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the tables of docs/results.md (CPU; about 10 minutes per model and task at N=200 on one core).
+# Regenerates the tables of docs/results.md (CPU; about 25 minutes per model at N=500 on one core).
 # Usage: bash bench/run_results.sh [N]   (MODELS="tiny-llada" to run one checkpoint, TASKS="arith sudoku" to
 # run some tasks; two processes with one model each use both cores)
 set -euo pipefail
@@ -18,5 +18,12 @@ for model in ${MODELS:-tiny-llada tiny-dream}; do
     polestar bench --model $model --task $task --policies parallel --set threshold=0.5 --n "$N" \
       --batch-size 50 --gen-length 64 --block-length 16 --json "$OUT/$model-$task-t05.json" \
       | tee "$OUT/$model-$task-t05.txt"
+  done
+  for task in ${ANATOMY_TASKS:-arith sudoku}; do
+    # where the commits come from (issue 5's analysis), with the EOS stop and, as in the reference loops, without
+    for eos in "" --no-stop-at-eos; do
+      polestar anatomy --model $model --task $task --policies fast-dllm,polestar-commit,polestar --n "$N" \
+        --batch-size 50 --gen-length 64 --block-length 16 $eos | tee "$OUT/$model-$task-anatomy${eos:+-noeos}.txt"
+    done
   done
 done

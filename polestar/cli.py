@@ -131,7 +131,8 @@ def cmd_anatomy(args) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = commit_anatomy(args.model, args.task, policies, args.n, parse_sets(args.set), decoding,
                             args.batch_size, args.data, args.dtype, args.device)
-    print(format_anatomy(result, f"{args.model} / {args.task} / n={args.n} / commit anatomy"))
+    title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
+    print(format_anatomy(result, title))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     return 0
