@@ -15,10 +15,10 @@ RESULTS = Path("docs/results")
 HEADER = """# Results
 
 Measured on this project's CPU machine (2 cores, shared), with the shipped checkpoints `tiny-llada` and
-`tiny-dream` (≈1M parameters, trained in five stages of about 3 hours in all; see their model cards), greedy
-decoding, generation length 64 in 4 blocks of 16, `threshold` 0.9 unless stated, n = {n} test problems per task. Reproduce with
-`TASKS="arith sudoku" bash bench/run_results.sh {n}`, `bash bench/run_agreement.sh {n}`, then
-`python bench/render_results.py`.
+`tiny-dream` (≈1M parameters, trained on 1 CPU thread in seven and six stages, 4.2 and 3.75 hours in all; see
+their model cards), greedy decoding, generation length 64 in 4 blocks of 16, `threshold` 0.9 unless stated,
+n = {n} test problems per task. Reproduce with `bash bench/run_results.sh {n}` (both models, all four tasks,
+~25 min per model on one core), `bash bench/run_agreement.sh {n}`, then `python bench/render_results.py`.
 
 Columns: accuracy with its 95% Wilson interval; TPF = generated non-EOS tokens per forward; TPS = tokens per
 second (noisy: several jobs shared the 2 cores); evals/tok = token-layer evaluations (positions computed, summed
@@ -39,7 +39,7 @@ ANATOMY_HEADER = """## Commit anatomy (`polestar anatomy`)
 Masked candidates of the current block over every (row, step), by confidence: below 0.5, 0.5 to the early-commit
 band, the band (0.7 – 0.9) and at or above τ = 0.9; then the commits by origin: confidence ≥ τ, the forced top-1
 below τ, other commits below τ (Polestar's drift-delta early commits) and suffix-block commits; `gate` = band
-candidates whose drift delta passed `alpha (τ − c)²` / band candidates with a delta. `noeos`: every block decoded
+candidates whose drift delta passed `alpha (τ − c)²` / band candidates with a delta. "no stop at EOS": every block decoded
 (`--no-stop-at-eos`), as in LLaDA's and Fast-dLLM's reference loops.
 """
 
