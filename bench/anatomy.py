@@ -26,7 +26,7 @@ import attrs
 import torch
 
 import polestar
-from polestar.api import _decode_texts, encode_prompts
+from polestar.api import decode_texts, encode_prompts
 from polestar.config import GenerationConfig
 from polestar.engine import decode
 from polestar.policies.commit_adaptive import PolestarCommit
@@ -107,6 +107,8 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
     config = GenerationConfig(**decoding)
     pipelines = {name: polestar.assemble(name, {k + "?": v for k, v in options.items()}) for name in policies}
     model = polestar.load(model_name, dtype=dtype, device=device)
+    if getattr(model, "tokenizer", None) is None:
+        raise ValueError(f"{model_name} has no tokenizer.json; task prompts and answers need one")
     problems = load_problems(task_name, n, data)
     out: dict[str, dict[str, float]] = {}
     for name, pipeline in pipelines.items():
@@ -117,7 +119,7 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
             chunk = problems[start : start + batch_size]
             ids, mask = encode_prompts(model, [task.format_prompt(p.input) for p in chunk])
             result, stats = decode(model, ids, mask, wrapped, config)
-            texts = _decode_texts(model, result[:, ids.shape[1] :])
+            texts = decode_texts(model, result[:, ids.shape[1] :])
             correct += sum(bool(task.check(p.input, t)) for p, t in zip(chunk, texts))
             tokens += stats.tokens
             nfe += sum(s.nfe for s in stats.sequences)

@@ -125,11 +125,12 @@ def generate(
             f"({model.spec.max_seq_len}); shorten the prompt or lower gen_length"
         )
     tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile)
-    texts = _decode_texts(model, tokens[:, ids.shape[1] :])
+    texts = decode_texts(model, tokens[:, ids.shape[1] :])
     return GenerationOutput(tokens, texts, stats, ids.shape[1], pipeline)
 
 
-def _decode_texts(model: DiffusionLM, gen: torch.Tensor) -> list[str] | None:
+def decode_texts(model: DiffusionLM, gen: torch.Tensor) -> list[str] | None:
+    """Generated ids ``gen [B, G]`` → text up to each row's first EOS, or None when the model has no tokenizer."""
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return None
