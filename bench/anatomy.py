@@ -98,9 +98,10 @@ class CommitRecorder:
 
 def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
                    decoding: dict[str, Any], batch_size: int = 50, data: str | None = None,
-                   dtype: str = "float32", device: str = "cpu") -> dict[str, dict[str, float]]:
+                   dtype: str = "float32", device: str = "cpu", compile: bool = False) -> dict[str, dict[str, float]]:
     """Decode ``n`` problems of ``task_name`` with each policy and return its commit counts (see module docstring)
-    plus ``accuracy`` and ``tpf``; ``options`` are stage options as in ``polestar bench --set``."""
+    plus ``accuracy`` and ``tpf``; ``options`` are stage options as in ``polestar bench --set``; ``compile`` as in
+    :func:`polestar.generate` (the counts are the same)."""
     if batch_size < 1 or n < 1:
         raise ValueError("n and batch_size must be at least 1")
     task = get_task(task_name)
@@ -118,7 +119,7 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
         for start in range(0, len(problems), batch_size):
             chunk = problems[start : start + batch_size]
             ids, mask = encode_prompts(model, [task.format_prompt(p.input) for p in chunk])
-            result, stats = decode(model, ids, mask, wrapped, config)
+            result, stats = decode(model, ids, mask, wrapped, config, compile=compile)
             texts = decode_texts(model, result[:, ids.shape[1] :])
             correct += sum(bool(task.check(p.input, t)) for p, t in zip(chunk, texts))
             tokens += stats.tokens

@@ -39,8 +39,8 @@ ANATOMY_HEADER = """## Commit anatomy (`polestar anatomy`)
 Masked candidates of the current block over every (row, step), by confidence: below 0.5, 0.5 to the early-commit
 band, the band (0.7 – 0.9) and at or above τ = 0.9; then the commits by origin: confidence ≥ τ, the forced top-1
 below τ, other commits below τ (Polestar's drift-delta early commits) and suffix-block commits; `gate` = band
-candidates whose drift delta passed `alpha (τ − c)²` / band candidates with a delta. "no stop at EOS": every block decoded
-(`--no-stop-at-eos`), as in LLaDA's and Fast-dLLM's reference loops.
+candidates whose drift delta passed `alpha (τ − c)²` / band candidates with a delta. "no stop at EOS": every
+block decoded (`--no-stop-at-eos`), as in LLaDA's and Fast-dLLM's reference loops.
 """
 
 

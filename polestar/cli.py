@@ -130,7 +130,7 @@ def cmd_anatomy(args) -> int:
                     temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = commit_anatomy(args.model, args.task, policies, args.n, parse_sets(args.set), decoding,
-                            args.batch_size, args.data, args.dtype, args.device)
+                            args.batch_size, args.data, args.dtype, args.device, args.compile)
     title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
     print(format_anatomy(result, title))
     if args.json_out:
