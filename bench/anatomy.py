@@ -26,12 +26,10 @@ import attrs
 import torch
 
 import polestar
-from polestar.api import decode_texts, encode_prompts
 from polestar.config import GenerationConfig
-from polestar.engine import decode
 from polestar.policies.commit_adaptive import PolestarCommit
 
-from .harness import load_problems
+from .harness import load_problems, run_policy
 from .tasks import get_task
 
 BIN_LABELS = ("<0.5", "0.5-lower", "band", ">=tau")
@@ -98,14 +96,14 @@ class CommitRecorder:
 
 def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
                    decoding: dict[str, Any], batch_size: int = 50, data: str | None = None,
-                   dtype: str = "float32", device: str = "cpu", compile: bool = False) -> dict[str, dict[str, float]]:
+                   dtype: str = "float32", device: str = "cpu") -> dict[str, dict[str, float]]:
     """Decode ``n`` problems of ``task_name`` with each policy and return its commit counts (see module docstring)
-    plus ``accuracy`` and ``tpf``; ``options`` are stage options as in ``polestar bench --set``; ``compile`` as in
-    :func:`polestar.generate` (the counts are the same)."""
+    plus ``accuracy`` and ``tpf``; ``options`` are stage options as in ``polestar bench --set``, ``decoding`` the
+    keyword arguments of :func:`polestar.generate` as in :func:`~polestar.bench.harness.run_policy`."""
     if batch_size < 1 or n < 1:
         raise ValueError("n and batch_size must be at least 1")
     task = get_task(task_name)
-    config = GenerationConfig(**decoding)
+    GenerationConfig(**{k: v for k, v in decoding.items() if k != "compile"})  # validate before any work
     pipelines = {name: polestar.assemble(name, {k + "?": v for k, v in options.items()}) for name in policies}
     model = polestar.load(model_name, dtype=dtype, device=device)
     if getattr(model, "tokenizer", None) is None:
@@ -115,20 +113,12 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
     for name, pipeline in pipelines.items():
         recorder = CommitRecorder(pipeline.commit)
         wrapped = attrs.evolve(pipeline, stages={**pipeline.stages, "commit": recorder})
-        correct = tokens = nfe = 0
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start : start + batch_size]
-            ids, mask = encode_prompts(model, [task.format_prompt(p.input) for p in chunk])
-            result, stats = decode(model, ids, mask, wrapped, config, compile=compile)
-            texts = decode_texts(model, result[:, ids.shape[1] :])
-            correct += sum(bool(task.check(p.input, t)) for p, t in zip(chunk, texts))
-            tokens += stats.tokens
-            nfe += sum(s.nfe for s in stats.sequences)
+        _, summary = run_policy(model, task, problems, wrapped, {}, decoding, batch_size)
         row = {label: recorder.counts[label] for label in ("row_steps", "candidates", *BIN_LABELS, *COMMIT_LABELS)}
         if isinstance(pipeline.commit, PolestarCommit):
             row["band_with_delta"] = recorder.counts["band_with_delta"]
             row["delta_passed_gate"] = recorder.counts["delta_passed_gate"]
-        row.update(accuracy=correct / len(problems), tpf=tokens / max(nfe, 1), tau=recorder.tau, lower=recorder.lower)
+        row.update(accuracy=summary["accuracy"], tpf=summary["tpf"], tau=recorder.tau, lower=recorder.lower)
         out[name] = row
     return out
 

@@ -11,6 +11,7 @@ from typing import Any
 import polestar
 from polestar.bench.tasks import get_task
 from polestar.bench.tasks.base import Problem, split
+from polestar.policy import Pipeline
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -45,9 +46,11 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
     return problems
 
 
-def run_policy(model, task, problems: list[Problem], policy: str, options: dict[str, Any], decoding: dict[str, Any],
-               batch_size: int = 1, progress=None) -> tuple[list[dict], dict]:
-    """Decode every problem with ``policy``; return per-item records and a summary."""
+def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, options: dict[str, Any],
+               decoding: dict[str, Any], batch_size: int = 1, progress=None) -> tuple[list[dict], dict]:
+    """Decode every problem with ``policy`` (a name or an assembled pipeline); return per-item records and a
+    summary."""
+    name = policy if isinstance(policy, str) else policy.policy
     items = []
     tokens = seq_nfe = evals = 0
     wall = 0.0
@@ -57,7 +60,7 @@ def run_policy(model, task, problems: list[Problem], policy: str, options: dict[
         out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
         for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
             items.append({
-                "policy": policy, "input": prob.input, "generation": text,
+                "policy": name, "input": prob.input, "generation": text,
                 "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe,
             })
         tokens += out.stats.tokens
@@ -195,10 +198,7 @@ def _progress(total: int, show: bool):
     return tqdm(total=total, desc="bench", unit="problem")
 
 
-def run_bench_cli(args, options: dict[str, Any]) -> int:
-    decoding = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                    temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos,
-                    compile=args.compile)
+def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
                        args.dtype, args.device)

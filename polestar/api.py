@@ -94,7 +94,7 @@ def encode_prompts(model: DiffusionLM, prompts: Any) -> tuple[torch.Tensor, torc
 def generate(
     model: DiffusionLM,
     prompts: Any,
-    policy: str = "fast-dllm",
+    policy: str | Pipeline = "fast-dllm",
     gen_length: int = 256,
     block_length: int = 32,
     steps: int | None = None,
@@ -105,7 +105,8 @@ def generate(
     compile: bool = False,
     **overrides: Any,
 ) -> GenerationOutput:
-    """Decode ``prompts`` with ``policy`` (a registered policy name; see ``polestar policies``).
+    """Decode ``prompts`` with ``policy``: a registered policy name (see ``polestar policies``) or a
+    :class:`~polestar.policy.Pipeline` already built by :func:`polestar.assemble` (then without overrides).
 
     ``overrides`` set stage options (``threshold=0.8``, ``commit.threshold=0.8``) or swap stages
     (``refresh="prefix"``); every value is validated before any work starts. ``threshold`` is the confidence
@@ -113,10 +114,16 @@ def generate(
     can sweep every policy. ``compile=True`` runs each step's forward through ``torch.compile`` (CUDA graphs on
     CUDA); tokens are the same as eager.
     """
-    if threshold is not None:
-        overrides.setdefault("threshold?", threshold)
     config = GenerationConfig(gen_length, block_length, steps, temperature, seed, stop_at_eos)
-    pipeline = assemble(policy, overrides)
+    if isinstance(policy, Pipeline):
+        if overrides or threshold is not None:
+            raise ValueError("stage options and threshold apply to a policy name; for an assembled Pipeline pass "
+                             "them to polestar.assemble instead")
+        pipeline = policy
+    else:
+        if threshold is not None:
+            overrides.setdefault("threshold?", threshold)
+        pipeline = assemble(policy, overrides)
     ids, mask = encode_prompts(model, prompts)
     total = ids.shape[1] + gen_length
     if total > model.spec.max_seq_len:
@@ -125,12 +132,11 @@ def generate(
             f"({model.spec.max_seq_len}); shorten the prompt or lower gen_length"
         )
     tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile)
-    texts = decode_texts(model, tokens[:, ids.shape[1] :])
+    texts = _decode_texts(model, tokens[:, ids.shape[1] :])
     return GenerationOutput(tokens, texts, stats, ids.shape[1], pipeline)
 
 
-def decode_texts(model: DiffusionLM, gen: torch.Tensor) -> list[str] | None:
-    """Generated ids ``gen [B, G]`` → text up to each row's first EOS, or None when the model has no tokenizer."""
+def _decode_texts(model: DiffusionLM, gen: torch.Tensor) -> list[str] | None:
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         return None

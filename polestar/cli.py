@@ -47,6 +47,23 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
 
 
+def decoding_from_args(args) -> dict[str, Any]:
+    """The keyword arguments of :func:`polestar.generate` set by :func:`_add_decoding_args` (less dtype/device)."""
+    return dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos, compile=args.compile)
+
+
+def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_size: int) -> None:
+    """Model, task, policies and problems of `bench` and `anatomy`."""
+    p.add_argument("--model", default="tiny-llada")
+    p.add_argument("--task", default="arith")
+    p.add_argument("--policies", default=policies)
+    p.add_argument("--n", type=int, default=n)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+
+
 def cmd_generate(args) -> int:
     import polestar
 
@@ -56,11 +73,7 @@ def cmd_generate(args) -> int:
         from polestar.bench.tasks import get_task
 
         prompts = [get_task(args.task).format_prompt(p) for p in args.prompt]
-    out = polestar.generate(
-        model, prompts, policy=args.policy, gen_length=args.gen_length, block_length=args.block_length,
-        steps=args.steps, temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos,
-        compile=args.compile, **parse_sets(args.set),
-    )
+    out = polestar.generate(model, prompts, policy=args.policy, **decoding_from_args(args), **parse_sets(args.set))
     if args.json:
         print(json.dumps({
             "policy": args.policy,
@@ -114,7 +127,7 @@ def cmd_policies(args) -> int:
 def cmd_bench(args) -> int:
     from polestar.bench.harness import run_bench_cli
 
-    return run_bench_cli(args, parse_sets(args.set))
+    return run_bench_cli(args, parse_sets(args.set), decoding_from_args(args))
 
 
 def cmd_agree(args) -> int:
@@ -126,11 +139,9 @@ def cmd_agree(args) -> int:
 def cmd_anatomy(args) -> int:
     from polestar.bench.anatomy import commit_anatomy, format_anatomy
 
-    decoding = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                    temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    result = commit_anatomy(args.model, args.task, policies, args.n, parse_sets(args.set), decoding,
-                            args.batch_size, args.data, args.dtype, args.device, args.compile)
+    result = commit_anatomy(args.model, args.task, policies, args.n, parse_sets(args.set), decoding_from_args(args),
+                            args.batch_size, args.data, args.dtype, args.device)
     title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
     print(format_anatomy(result, title))
     if args.json_out:
@@ -152,25 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_policies)
     b = sub.add_parser("bench", help="accuracy / throughput of policies on a task")
-    b.add_argument("--model", default="tiny-llada")
-    b.add_argument("--task", default="arith")
-    b.add_argument("--policies", default="baseline,parallel,fast-dllm")
-    b.add_argument("--n", type=int, default=200)
-    b.add_argument("--batch-size", type=int, default=1)
-    b.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
-    b.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    _add_problem_args(b, "baseline,parallel,fast-dllm", n=200, batch_size=1)
     b.add_argument("--plot", default=None, metavar="OUT.png")
     b.add_argument("--profile", action="store_true", help="report the share of step time per stage")
     _add_decoding_args(b)
     b.set_defaults(func=cmd_bench)
     an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")
-    an.add_argument("--model", default="tiny-llada")
-    an.add_argument("--task", default="arith")
-    an.add_argument("--policies", default="fast-dllm,polestar")
-    an.add_argument("--n", type=int, default=100)
-    an.add_argument("--batch-size", type=int, default=50)
-    an.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
-    an.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    _add_problem_args(an, "fast-dllm,polestar", n=100, batch_size=50)
     _add_decoding_args(an)
     an.set_defaults(func=cmd_anatomy)
     a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")

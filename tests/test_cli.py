@@ -111,3 +111,15 @@ def test_agree_on_two_bench_runs(checkpoint, tmp_path, capsys):
     assert "polestar-cache" in out and "token mismatch" in out
     assert main(["agree", str(exact), str(tmp_path / "missing.json")]) == 2
     assert "no such benchmark JSON" in capsys.readouterr().err
+
+
+def test_generate_takes_an_assembled_pipeline(checkpoint):
+    import polestar
+
+    model = polestar.load(checkpoint)
+    by_name = polestar.generate(model, ["3+4"], policy="polestar", gen_length=32, block_length=16, threshold=0.8)
+    pipeline = polestar.assemble("polestar", {"threshold": 0.8})
+    built = polestar.generate(model, ["3+4"], policy=pipeline, gen_length=32, block_length=16)
+    assert built.tokens.equal(by_name.tokens) and built.pipeline is pipeline
+    with pytest.raises(ValueError, match="polestar.assemble"):
+        polestar.generate(model, ["3+4"], policy=pipeline, gen_length=32, block_length=16, threshold=0.8)
