@@ -16,9 +16,9 @@ Curriculum aids (off by default; the shipped checkpoints' cards list the stages 
 
 * ``--init DIR`` starts from a checkpoint's weights and architecture (fine-tuning in stages);
 * ``--facts-batch N`` adds a batch of isolated single arith steps ``a<op>b=?`` to every step (the mod-10 tables);
-* ``--chain-facts N`` adds ``N`` arith chains cut just before one intermediate result (later positions masked
-  at a random rate), with the loss on that result and its copy only: the table lookup where decoding needs it
-  (isolated facts are learned but do not transfer);
+* ``--chain-facts N`` adds ``N`` equation chains (``--chain-facts-tasks``, default ``arith``) cut just before one
+  intermediate result (later positions masked at a random rate), with the loss on that result and the next
+  operand only: the table lookup where decoding needs it (isolated facts are learned but do not transfer);
 * ``--prefix-frac F`` masks a share ``F`` of the rows after a random cut inside the answer instead of at random,
   the context a left-to-right decoder sees (random masking leaves copies of intermediate results visible, so a
   model learns to copy them rather than compute them).
@@ -117,11 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of rows masked after a random cut in the answer instead of at random (0: pure LLaDA)")
     p.add_argument("--facts-batch", type=int, default=0,
                    help="auxiliary batch of single arith steps 'a<op>b=r' (r masked) per step; 0: off")
+    p.add_argument("--chain-facts-tasks", type=parse_mixture, default={"arith": 1.0},
+                   help="task mixture of the --chain-facts rows (equation chains: arith, countdown, countdown4)")
     p.add_argument("--chain-facts", type=int, default=0,
                    help="rows per step of arith chains cut before one result, loss on that result and its copy")
     p.add_argument("--facts-weight", type=float, default=1.0, help="loss weight of the auxiliary facts batch")
     p.add_argument("--eval-every", type=int, default=400, help="steps between accuracy probes (0: never)")
     p.add_argument("--eval-n", type=int, default=16, help="held-out test problems per task in each probe")
+    p.add_argument("--eval-tasks", type=lambda s: list(parse_mixture(s)), default=None,
+                   help="comma-separated tasks the probes evaluate (default: those of --tasks)")
     p.add_argument("--final-n", type=int, default=200, help="test problems per task in the final evaluation (0: skip)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--no-progress", action="store_true", help="disable the tqdm bar")
@@ -273,32 +277,41 @@ def facts_loss(model, tok, batch: int, rng: random.Random) -> torch.Tensor:
 
 def chain_facts_batch(batcher: Batcher, batch: int, gen: torch.Generator, mask_id: int,
                       random_after: bool = False) -> tuple[torch.Tensor, ...]:
-    """Arith chains cut before one intermediate result:
-    ``(ids [B, L], att [B, L], pos [B, 2], target [B, 2], valid [B, 2] bool)``.
+    """Equation chains (``arith``, ``countdown``) cut before one intermediate result:
+    ``(ids [B, L], att [B, L], pos [B, 3], target [B, 3], valid [B, 3] bool)``.
 
-    Each row is a full training row of ``batcher`` (an ``arith``-only batcher) whose answer is kept up to and
-    including the ``=`` of a random step and masked from that step's result on. ``pos[:, 0]`` is the result's
-    index and ``pos[:, 1]`` that of its copy, the next step's left operand (``...=7,7*2``; ``valid[:, 1]`` is
-    False for the last step); the loss is taken there only, against the original tokens: the table lookup in the
-    context where decoding needs it, at both places a decoder may commit the value first. (Isolated
-    ``a<op>b=?`` facts are learned in ~1,000 steps yet do not transfer into chains: measured 99.6% isolated, 18%
-    in context after the same steps.) With ``random_after`` the positions after the cut are masked at a rate
-    ``t ~ U(0, 1)`` per row instead of all (the value and its copy always): a confidence-ordered decoder often
-    commits later layout tokens first, and a model trained on clean prefixes alone computes badly beside them.
+    Each row is a full training row of ``batcher`` (a batcher over equation-chain tasks) whose answer is kept up
+    to and including the ``=`` of a random equation and masked from that equation's result on. ``pos[:, 0]`` is
+    the result's first digit, ``pos[:, 1]`` its second digit (``valid`` False for a one-digit result) and
+    ``pos[:, 2]`` the token after the comma that ends the result -- in ``arith`` the result's copy, the next
+    step's left operand (``...=7,7*2``), in ``countdown`` the next equation's first operand (``valid`` False for
+    the last equation). The loss is taken there only, against the original tokens: the table lookup in the context
+    where decoding needs it, at the places a decoder may commit the value first. (Isolated ``a<op>b=?`` facts are
+    learned in ~1,000 steps yet do not transfer into chains: measured 99.6% isolated, 18% in context after the
+    same steps.) With ``random_after`` the positions after the cut are masked at a rate ``t ~ U(0, 1)`` per row
+    instead of all (the loss positions always): a confidence-ordered decoder often commits later layout tokens
+    first, and a model trained on clean prefixes alone computes badly beside them.
     """
     ids, att, P = batcher.sample(batch)
+    L = ids.shape[1]
     eq, comma = batcher.encode("=")[0], batcher.encode(",")[0]
+    digits = torch.tensor(batcher.encode("0123456789"))
     is_result = torch.zeros_like(ids, dtype=torch.bool)
     is_result[:, P + 1 :] = ids[:, P:-1] == eq
     first = torch.multinomial(is_result.float(), 1, generator=gen).squeeze(1)
     rows = torch.arange(batch)
-    copy = (first + 2).clamp(max=ids.shape[1] - 1)
-    has_copy = ids[rows, (first + 1).clamp(max=ids.shape[1] - 1)] == comma
-    pos = torch.stack([first, torch.where(has_copy, copy, first)], dim=1)
-    valid = torch.stack([torch.ones_like(has_copy), has_copy], dim=1)
+
+    def at(i: torch.Tensor) -> torch.Tensor:
+        return ids[rows, i.clamp(max=L - 1)]
+
+    two_digit = torch.isin(at(first + 1), digits) & (first + 1 < L)
+    end = first + 1 + two_digit.long()  # the token after the result
+    has_next = (at(end) == comma) & (end + 1 < L)
+    pos = torch.stack([first, torch.where(two_digit, first + 1, first), torch.where(has_next, end + 1, first)], 1)
+    valid = torch.stack([torch.ones_like(has_next), two_digit, has_next], dim=1)
     target = ids[rows[:, None], pos]
-    after = torch.arange(ids.shape[1])[None, :] >= first[:, None]
-    if random_after:  # later positions masked at a random rate per row; the value and its copy always
+    after = torch.arange(L)[None, :] >= first[:, None]
+    if random_after:  # later positions masked at a random rate per row; the loss positions always
         keep_rate = torch.rand(batch, 1, generator=gen)
         after = after & (torch.rand(ids.shape, generator=gen) >= keep_rate)
         after[rows[:, None], pos] = True
@@ -308,7 +321,7 @@ def chain_facts_batch(batcher: Batcher, batch: int, gen: torch.Generator, mask_i
 
 def chain_facts_loss(model, batcher: Batcher, batch: int, gen: torch.Generator) -> torch.Tensor:
     x, att, pos, target, valid = chain_facts_batch(batcher, batch, gen, model.spec.mask_id, random_after=True)
-    logits = model(x, att)[torch.arange(batch)[:, None], pos].float()  # [B, 2, V]
+    logits = model(x, att)[torch.arange(batch)[:, None], pos].float()  # [B, 3, V]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
     return (ce * valid.reshape(-1)).sum() / valid.sum()
 
@@ -389,7 +402,7 @@ def train(args: argparse.Namespace) -> dict:
     batcher = Batcher(tok, args.tasks, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     facts_rng = random.Random(args.seed + 1)
-    chain_batcher = Batcher(tok, {"arith": 1.0}, args.seed + 2) if args.chain_facts else None
+    chain_batcher = Batcher(tok, args.chain_facts_tasks, args.seed + 2) if args.chain_facts else None
     budget = args.minutes * 60.0
     bar = None
     if not args.no_progress:
@@ -437,7 +450,7 @@ def train(args: argparse.Namespace) -> dict:
                  "grad_norm": float(gnorm)})
         if args.eval_every and step % args.eval_every == 0:
             te = time.time()
-            acc = evaluate(model, list(args.tasks), args.eval_n, seed=args.seed)
+            acc = evaluate(model, args.eval_tasks or list(args.tasks), args.eval_n, seed=args.seed)
             eval_time += time.time() - te
             log({"step": step, "time": round(time.time() - t0, 1), "eval_n": args.eval_n, "acc": acc})
             msg = " ".join(f"{k}={v:.2f}" for k, v in acc.items())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -51,8 +52,10 @@ def test_chain_facts_cut_each_chain_before_one_of_its_results():
     batcher = Batcher(tok, {"arith": 1.0}, seed=0)
     x, att, pos, target, valid = chain_facts_batch(batcher, 40, torch.Generator().manual_seed(0), mask)
     assert x.shape == (40, PROMPT_WIDTH + GEN) and bool(att.all()) and bool(valid[:, 0].all())
-    assert 0 < int(valid[:, 1].sum()) < 40  # the last step's result has no copy
-    for row, (p, p_copy), (t, t_copy), (_, has_copy) in zip(x.tolist(), pos.tolist(), target.tolist(), valid.tolist()):
+    assert not bool(valid[:, 1].any())  # arith results are single digits
+    assert 0 < int(valid[:, 2].sum()) < 40  # the last step's result has no copy
+    for row, (p, _, p_copy), (t, _, t_copy), (_, _, has_copy) in zip(x.tolist(), pos.tolist(), target.tolist(),
+                                                                    valid.tolist()):
         assert all(tok_id == mask for tok_id in row[p:]) and mask not in row[:p]  # kept up to the cut, masked after
         prompt, answer = tok.decode(row[:PROMPT_WIDTH]), tok.decode(row[PROMPT_WIDTH:p])
         assert answer.endswith("=") and prompt.strip().startswith("arith:")
@@ -64,6 +67,30 @@ def test_chain_facts_cut_each_chain_before_one_of_its_results():
     before = torch.arange(x.shape[1])[None, :] < cut[:, None]
     assert not bool((x[before] == mask).any())
     assert 0 < int((x[~before] != mask).sum())  # some later tokens are left visible
+
+
+def test_chain_facts_on_countdown_target_every_digit_of_the_result():
+    tok = build_char_tokenizer()
+    mask = special_ids(tok)["mask"]
+    batcher = Batcher(tok, {"countdown": 1.0, "countdown4": 1.0}, seed=0)
+    ids, _, _ = Batcher(tok, {"countdown": 1.0, "countdown4": 1.0}, seed=0).sample(60)
+    x, _, pos, target, valid = chain_facts_batch(batcher, 60, torch.Generator().manual_seed(0), mask)
+    assert 0 < int(valid[:, 1].sum()) < 60 and 0 < int(valid[:, 2].sum()) < 60  # both one- and two-digit results
+    for full, row, (p, p2, p3), (t, t2, t3), (_, v2, v3) in zip(ids.tolist(), x.tolist(), pos.tolist(),
+                                                               target.tolist(), valid.tolist()):
+        assert all(tok_id == mask for tok_id in row[p:]) and mask not in row[:p]
+        answer = tok.decode(full[PROMPT_WIDTH:]).split("<|endoftext|>")[0]
+        cut = p - PROMPT_WIDTH  # the result of the equation ending at the cut
+        lhs, result = answer[:cut].rsplit(",", 1)[-1], answer[cut:].split(",")[0]
+        a, op, b = re.fullmatch(r"(\d+)([-+*/])(\d+)=", lhs).groups()
+        assert int(result) == int(eval(f"{a}{op}{b}".replace("/", "//")))
+        assert tok.decode([t]) == result[0] and v2 == (len(result) == 2)
+        if v2:
+            assert p2 == p + 1 and tok.decode([t2]) == result[1]
+        rest = answer[cut + len(result):]
+        assert v3 == rest.startswith(",")
+        if v3:
+            assert p3 == p + len(result) + 1 and tok.decode([t3]) == rest[1]
 
 
 def test_sample_mask_prefix_rows_hide_a_suffix_inside_the_answer():
