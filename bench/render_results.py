@@ -44,6 +44,15 @@ block decoded (`--no-stop-at-eos`), as in LLaDA's and Fast-dLLM's reference loop
 """
 
 
+SWEEP_HEADER = """## Polestar-Cache recompute budget (`bash bench/run_sweep.sh`)
+
+`polestar-cache` (pc) under settings of its refresh selector beside the reference policies, same problems:
+`default` is the paper's (8 clusters over the window, top k = 4 per layer and 1 at the last, τ_upd = 1);
+`k-all-tau0` refreshes every cluster at every step (equal to no cache). `× fast` = evaluations per token over
+`fast-dllm`'s; `Δ fast`, `Δ elastic` = accuracy difference in points.
+"""
+
+
 def kept_notes(page: Path) -> str:
     """The hand-written part of an existing results page (from the marker on), or just the marker."""
     if page.exists():
@@ -74,6 +83,10 @@ def main() -> None:
     if anatomy:
         parts.append(ANATOMY_HEADER)
         parts += [f"```\n{f.read_text().rstrip()}\n```\n" for f in anatomy]
+    sweep = sorted(RESULTS.glob("*-sweep.txt"))
+    if sweep:
+        parts.append(SWEEP_HEADER)
+        parts += [f"```\n{f.read_text().rstrip()}\n```\n" for f in sweep]
     parts.append(kept_notes(page))
     page.write_text("\n".join(parts))
 
