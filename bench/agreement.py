@@ -2,7 +2,9 @@
 
 Used to check that a lossy stage (``quant=nvfp4``, ``offload=cpu``) changes few decoded tokens against an exact
 one (``quant=none``, ``offload=none``): run ``polestar bench`` twice with the same problems, policies and decoding,
-once per setting, and compare the two JSON files with ``polestar agree A.json B.json``.
+once per setting, and compare the two JSON files with ``polestar agree A.json B.json``. ``--policy-a P
+--policy-b Q`` compares policy ``P`` of run A with policy ``Q`` of run B instead (e.g. ``parallel`` against a
+``polestar-cache`` configuration that should equal it).
 
 The generations in a benchmark JSON are decoded text; with the shipped character-level tokenizer one character
 is one token, so the character mismatch rate is the token mismatch rate.
@@ -20,20 +22,39 @@ def _mismatches(a: str, b: str) -> int:
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
 
 
-def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _policy_items(run: dict[str, Any], policy: str, which: str) -> list[dict[str, Any]]:
+    items = [dict(i, policy=None) for i in run["items"] if i["policy"] == policy]
+    if not items:
+        held = sorted({i["policy"] for i in run["items"]})
+        raise ValueError(f"run {which} holds no items of policy {policy!r}; it holds {', '.join(held)}")
+    return items
+
+
+def compare_runs(a: dict[str, Any], b: dict[str, Any], policy_a: str | None = None,
+                 policy_b: str | None = None) -> dict[str, dict[str, float]]:
     """Per policy: ``{"n", "changed_items", "changed_item_rate", "token_mismatch_rate", "accuracy_a",
     "accuracy_b"}`` for two ``polestar bench`` results over the same problems.
 
+    With ``policy_a`` and ``policy_b`` only those policies' items are compared, against each other (e.g.
+    ``parallel`` in one run with ``polestar-cache`` in another, to check that a configuration equals no-cache
+    decoding); the result then has one entry, ``"<policy_a> vs <policy_b>"``.
     Raises ``ValueError`` when the runs do not cover the same (policy, input) pairs in the same order.
     """
-    key_a = [(i["policy"], i["input"]) for i in a["items"]]
-    key_b = [(i["policy"], i["input"]) for i in b["items"]]
+    items_a, items_b = a["items"], b["items"]
+    label = None
+    if (policy_a is None) != (policy_b is None):
+        raise ValueError("give both policy_a and policy_b, or neither")
+    if policy_a is not None:
+        items_a, items_b = _policy_items(a, policy_a, "A"), _policy_items(b, policy_b, "B")
+        label = f"{policy_a} vs {policy_b}"
+    key_a = [(i["policy"], i["input"]) for i in items_a]
+    key_b = [(i["policy"], i["input"]) for i in items_b]
     if key_a != key_b:
         raise ValueError("the two runs do not hold the same policies and problems in the same order; "
                          "rerun both with the same --policies, --task, --n and --data")
     out: dict[str, dict[str, float]] = {}
-    for ia, ib in zip(a["items"], b["items"]):
-        s = out.setdefault(ia["policy"], {"n": 0, "changed_items": 0, "mismatched": 0, "tokens": 0,
+    for ia, ib in zip(items_a, items_b):
+        s = out.setdefault(label or ia["policy"], {"n": 0, "changed_items": 0, "mismatched": 0, "tokens": 0,
                                           "correct_a": 0, "correct_b": 0})
         bad = _mismatches(ia["generation"], ib["generation"])
         s["n"] += 1
@@ -56,21 +77,23 @@ def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, dict[str, fl
 
 
 def format_agreement(result: dict[str, dict[str, float]], title: str) -> str:
-    head = f"{'policy':18s} {'n':>5s} {'changed':>8s} {'token mismatch':>15s} {'acc A':>7s} {'acc B':>7s}"
+    w = max([18, *(len(p) for p in result)])
+    head = f"{'policy':{w}s} {'n':>5s} {'changed':>8s} {'token mismatch':>15s} {'acc A':>7s} {'acc B':>7s}"
     lines = [title, head, "-" * len(head)]
     for policy, s in result.items():
-        lines.append(f"{policy:18s} {s['n']:5d} {100 * s['changed_item_rate']:7.1f}% "
+        lines.append(f"{policy:{w}s} {s['n']:5d} {100 * s['changed_item_rate']:7.1f}% "
                      f"{100 * s['token_mismatch_rate']:14.2f}% {100 * s['accuracy_a']:6.1f}% "
                      f"{100 * s['accuracy_b']:6.1f}%")
     return "\n".join(lines)
 
 
-def agree_cli(path_a: str, path_b: str) -> int:
+def agree_cli(path_a: str, path_b: str, policy_a: str | None = None, policy_b: str | None = None) -> int:
     runs = []
     for path in (path_a, path_b):
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"{path}: no such benchmark JSON (write one with `polestar bench ... --json`)")
         runs.append(json.loads(p.read_text()))
-    print(format_agreement(compare_runs(*runs), f"A = {path_a}\nB = {path_b}"))
+    result = compare_runs(*runs, policy_a=policy_a, policy_b=policy_b)
+    print(format_agreement(result, f"A = {path_a}\nB = {path_b}"))
     return 0

@@ -12,6 +12,7 @@ import polestar
 from polestar.bench.tasks import get_task
 from polestar.bench.tasks.base import Problem, split
 from polestar.policy import Pipeline
+from polestar.registry import KINDS
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -132,8 +133,8 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     for name in policies:  # fail on a bad policy or option before any decoding
         polestar.assemble(name, {k + "?": v for k, v in options.items()})
     for key, value in options.items():
-        if not any(_accepts(name, key, value) for name in policies):
-            polestar.assemble(policies[0], {key: value})  # raises the error listing the valid options
+        if not any(_accepts(name, key, value, options) for name in policies):
+            polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing valid options
     model = polestar.load(model_name, dtype=dtype, device=device)
     problems = load_problems(task_name, n, data)
     items, summary = [], {}
@@ -180,9 +181,15 @@ def format_profile(profile: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _accepts(policy: str, key: str, value: Any) -> bool:
+def _swaps(options: dict[str, Any], but: str) -> dict[str, Any]:
+    """The stage swaps among ``options`` (other than ``but``), as optional overrides."""
+    return {k + "?": v for k, v in options.items() if k in KINDS and k != but}
+
+
+def _accepts(policy: str, key: str, value: Any, options: dict[str, Any]) -> bool:
+    """Whether ``policy``, with the stage swaps of ``options``, has a stage taking ``key=value``."""
     try:
-        polestar.assemble(policy, {key: value})
+        polestar.assemble(policy, {**_swaps(options, key), key: value})
     except ValueError:
         return False
     return True

@@ -17,6 +17,8 @@ CONFIGS=(
   "c16-k8|refresh.n_clusters=16 refresh.topk=8"
   "tau0|refresh.tau_upd=0"
   "k-all-tau0|refresh.topk=8 refresh.topk_last=8 refresh.tau_upd=0"
+  # the window covers the whole sequence (prompt 2 blocks + 4 generated): should equal `parallel`, no cache
+  "full-window|refresh.topk=8 refresh.topk_last=8 refresh.tau_upd=0 refresh.prefix_blocks=6 refresh.suffix_blocks=4"
 )
 for model in ${MODELS:-tiny-llada tiny-dream}; do
   for task in ${TASKS:-arith sudoku}; do
@@ -30,6 +32,8 @@ for model in ${MODELS:-tiny-llada tiny-dream}; do
       for kv in ${config#*|}; do sets+=(--set "$kv"); done
       polestar bench "${common[@]}" --policies polestar-cache "${sets[@]}" --json "$dir/$label.json" > /dev/null
     done
-    python bench/sweep_table.py "$dir" | tee "$OUT/$model-$task-sweep.txt"
+    { python bench/sweep_table.py "$dir"; echo
+      polestar agree "$dir/reference.json" "$dir/full-window.json" --policy-a parallel --policy-b polestar-cache
+    } | tee "$OUT/$model-$task-sweep.txt"
   done
 done

@@ -133,7 +133,7 @@ def cmd_bench(args) -> int:
 def cmd_agree(args) -> int:
     from polestar.bench.agreement import agree_cli
 
-    return agree_cli(args.a, args.b)
+    return agree_cli(args.a, args.b, args.policy_a, args.policy_b)
 
 
 def cmd_anatomy(args) -> int:
@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")
     a.add_argument("a", metavar="A.json")
     a.add_argument("b", metavar="B.json")
+    a.add_argument("--policy-a", help="compare only this policy of A ... (needs --policy-b)")
+    a.add_argument("--policy-b", help="... with this policy of B")
     a.set_defaults(func=cmd_agree)
     return parser
 

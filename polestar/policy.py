@@ -70,7 +70,10 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
 
     An override whose key is a stage kind (``refresh=elastic``) swaps that stage; ``kind.option=value`` sets an
     option of one stage; a bare ``option=value`` sets that option on every stage that has it. Options no stage has
-    are an error that lists the valid ones.
+    are an error that lists the valid ones. A key ending in ``?`` is optional: ``quant?=none`` swaps the stage
+    only in a policy that has a ``quant`` stage, ``refresh.topk?=8`` and ``threshold?=0.8`` set the option only
+    where a stage has it, and neither is an error elsewhere (``polestar bench`` passes ``--set`` this way, so one
+    setting can apply to several policies).
     """
     spec = get_policy(policy)
     overrides = dict(overrides or {})
@@ -78,6 +81,10 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
     for kind in registry.KINDS:
         if kind in overrides:
             chosen[kind] = str(overrides.pop(kind))
+        if kind + "?" in overrides:  # an optional swap: only in a policy that has this stage
+            name = str(overrides.pop(kind + "?"))
+            if kind in chosen:
+                chosen[kind] = name
     options: dict[str, dict[str, Any]] = {
         kind: dict(spec.options.get(kind, {})) if chosen[kind] == spec.stages.get(kind) else {} for kind in chosen
     }
@@ -88,6 +95,8 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
         if "." in key:
             kind, opt = key.split(".", 1)
             if kind not in fields or opt not in fields[kind]:
+                if optional:
+                    continue
                 raise ValueError(_unknown_option(key, fields))
             options[kind][opt] = value
             continue

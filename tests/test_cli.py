@@ -99,6 +99,19 @@ def test_compare_runs_counts_changed_items_and_tokens():
         compare_runs(a, _run([("x", "1+1", "1+1=2", True)]))
 
 
+def test_compare_runs_across_policies():
+    a = _run([("x", "1+1", "1+1=2", True), ("x", "2*2", "2*2=4", True), ("y", "1+1", "1+1=3", False)])
+    b = _run([("z", "1+1", "1+1=2", True), ("z", "2*2", "2*2=5", False)])
+    res = compare_runs(a, b, policy_a="x", policy_b="z")
+    assert list(res) == ["x vs z"]
+    assert res["x vs z"]["n"] == 2 and res["x vs z"]["changed_items"] == 1
+    assert res["x vs z"]["accuracy_a"] == 1.0 and res["x vs z"]["accuracy_b"] == 0.5
+    with pytest.raises(ValueError, match="holds no items of policy 'q'; it holds z"):
+        compare_runs(a, b, policy_a="x", policy_b="q")
+    with pytest.raises(ValueError, match="both"):
+        compare_runs(a, b, policy_a="x")
+
+
 def test_agree_on_two_bench_runs(checkpoint, tmp_path, capsys):
     common = ["bench", "--model", checkpoint, "--task", "arith", "--policies", "polestar-cache", "--n", "2",
               "--gen-length", "32", "--block-length", "16", "--batch-size", "2"]
@@ -123,3 +136,17 @@ def test_generate_takes_an_assembled_pipeline(checkpoint):
     assert built.tokens.equal(by_name.tokens) and built.pipeline is pipeline
     with pytest.raises(ValueError, match="polestar.assemble"):
         polestar.generate(model, ["3+4"], policy=pipeline, gen_length=32, block_length=16, threshold=0.8)
+
+
+def test_bench_set_swaps_a_stage(checkpoint, tmp_path):
+    # regression: bench passes --set as optional overrides, and stage swaps were dropped: the agreement check
+    # of quant/offload compared two identical configurations
+    common = ["bench", "--model", checkpoint, "--task", "arith", "--n", "3", "--gen-length", "32",
+              "--block-length", "16", "--batch-size", "3", "--set", "threshold=0.01"]
+    swapped, par = tmp_path / "swapped.json", tmp_path / "parallel.json"
+    assert main([*common, "--policies", "baseline", "--set", "commit=threshold", "--json", str(swapped)]) == 0
+    assert main([*common, "--policies", "parallel", "--json", str(par)]) == 0
+    swapped, par = json.loads(swapped.read_text()), json.loads(par.read_text())
+    # baseline with the threshold commit is `parallel`: same tokens, far fewer forwards than one per token
+    assert [i["generation"] for i in swapped["items"]] == [i["generation"] for i in par["items"]]
+    assert swapped["summary"]["baseline"]["nfe"] == par["summary"]["parallel"]["nfe"] < 32

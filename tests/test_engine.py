@@ -113,6 +113,25 @@ def test_registry_and_policy_errors_list_names(model):
     assert "dual" in names("refresh") and "topk" in names("commit")
 
 
+def test_optional_overrides_swap_and_set_only_where_a_stage_applies():
+    # regression: `polestar bench --set quant=none` passes "quant?" and the swap used to be dropped silently
+    pipe = polestar.assemble("polestar-cache", {"quant?": "none", "offload?": "cpu", "refresh.topk?": 8})
+    assert type(pipe.stages["quant"]).__name__ == type(polestar.assemble("polestar-cache", {"quant": "none"})
+                                                       .stages["quant"]).__name__
+    assert pipe.stages["quant"] is not None and pipe.stages["refresh"].config.topk == 8
+    exact = polestar.assemble("polestar-cache", {"quant": "none", "offload": "cpu"})
+    assert {k: type(v) for k, v in pipe.stages.items()} == {k: type(v) for k, v in exact.stages.items()}
+    default = polestar.assemble("polestar-cache")
+    assert type(default.stages["quant"]) is not type(pipe.stages["quant"])
+    # a policy without the stage or the option ignores the optional keys instead of gaining or failing on them
+    fast = polestar.assemble("fast-dllm", {"quant?": "none", "refresh.topk?": 8, "threshold?": 0.8})
+    assert "quant" not in fast.stages and fast.stages["commit"].config.threshold == 0.8
+    assert {k: type(v) for k, v in fast.stages.items()} == {
+        k: type(v) for k, v in polestar.assemble("fast-dllm").stages.items()}
+    with pytest.raises(ValueError, match="unknown option 'refresh.topk'"):
+        polestar.assemble("fast-dllm", {"refresh.topk": 8})  # without "?" it is still an error
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
