@@ -17,8 +17,8 @@ CONFIGS=(
   "c16-k8|refresh.n_clusters=16 refresh.topk=8"
   "tau0|refresh.tau_upd=0"
   "k-all-tau0|refresh.topk=8 refresh.topk_last=8 refresh.tau_upd=0"
-  # the window covers the whole sequence (prompt 2 blocks + 4 generated): should equal `parallel`, no cache
-  "full-window|refresh.topk=8 refresh.topk_last=8 refresh.tau_upd=0 refresh.prefix_blocks=6 refresh.suffix_blocks=4"
+  # the window covers the whole sequence (prompt 2 blocks + 4 generated): with an exact store it should equal `parallel`, no cache
+  "full-window|refresh.topk=8 refresh.topk_last=8 refresh.tau_upd=0 refresh.prefix_blocks=6 refresh.suffix_blocks=4 quant=none"
 )
 for model in ${MODELS:-tiny-llada tiny-dream}; do
   for task in ${TASKS:-arith sudoku}; do
