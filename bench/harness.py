@@ -50,15 +50,17 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
 def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, options: dict[str, Any],
                decoding: dict[str, Any], batch_size: int = 1, progress=None) -> tuple[list[dict], dict]:
     """Decode every problem with ``policy`` (a name or an assembled pipeline); return per-item records and a
-    summary."""
+    summary (with ``stages``: the stages and options the policy ran with, ``Pipeline.describe()``)."""
     name = policy if isinstance(policy, str) else policy.policy
     items = []
     tokens = seq_nfe = evals = 0
     wall = 0.0
+    stages = None
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         prompts = [task.format_prompt(p.input) for p in chunk]
         out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
+        stages = out.pipeline.describe()
         for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
             items.append({
                 "policy": name, "input": prob.input, "generation": text,
@@ -81,6 +83,7 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
         "token_layer_evals_per_token": evals / max(tokens, 1),
         "n": len(items),
         "wall_s": wall,
+        "stages": stages,  # the stages and options the policy actually ran with
     }
     return items, summary
 

@@ -150,3 +150,6 @@ def test_bench_set_swaps_a_stage(checkpoint, tmp_path):
     # baseline with the threshold commit is `parallel`: same tokens, far fewer forwards than one per token
     assert [i["generation"] for i in swapped["items"]] == [i["generation"] for i in par["items"]]
     assert swapped["summary"]["baseline"]["nfe"] == par["summary"]["parallel"]["nfe"] < 32
+    # the JSON records the stages each policy ran with
+    assert swapped["summary"]["baseline"]["stages"]["commit"] == {"name": "threshold", "threshold": 0.01}
+    assert par["summary"]["parallel"]["stages"]["refresh"]["name"] == "full"
