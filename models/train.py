@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chain-facts-tasks", type=parse_mixture, default={"arith": 1.0},
                    help="task mixture of the --chain-facts rows (equation chains: arith, countdown, countdown4)")
     p.add_argument("--chain-facts", type=int, default=0,
-                   help="rows per step of arith chains cut before one result, loss on that result and its copy")
+                   help="rows per step of equation chains cut before one result, loss on that result and the "
+                        "next operand")
     p.add_argument("--facts-weight", type=float, default=1.0, help="loss weight of the auxiliary facts batch")
     p.add_argument("--eval-every", type=int, default=400, help="steps between accuracy probes (0: never)")
     p.add_argument("--eval-n", type=int, default=16, help="held-out test problems per task in each probe")
