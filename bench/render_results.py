@@ -1,5 +1,5 @@
-"""Render docs/results.md from the files written by bench/run_results.sh and bench/run_agreement.sh
-(``python bench/render_results.py``).
+"""Render docs/results.md from the files written by bench/run_results.sh, bench/run_agreement.sh and
+bench/run_sweep.sh (``python bench/render_results.py``).
 
 The tables are regenerated; hand-written analysis below the ``NOTES_MARKER`` line of the existing page is kept.
 """
@@ -18,7 +18,8 @@ Measured on this project's CPU machine (2 cores, shared), with the shipped check
 `tiny-dream` (≈1M parameters, trained on 1 CPU thread in seven and six stages, 4.2 and 3.75 hours in all; see
 their model cards), greedy decoding, generation length 64 in 4 blocks of 16, `threshold` 0.9 unless stated,
 n = {n} test problems per task. Reproduce with `bash bench/run_results.sh {n}` (both models, all four tasks,
-~25 min per model on one core), `bash bench/run_agreement.sh {n}`, then `python bench/render_results.py`.
+~25 min per model on one core), `bash bench/run_agreement.sh {n}`, `bash bench/run_sweep.sh {n}`, then
+`python bench/render_results.py`.
 
 Columns: accuracy with its 95% Wilson interval; TPF = generated non-EOS tokens per forward; TPS = tokens per
 second (noisy: several jobs shared the 2 cores); evals/tok = token-layer evaluations (positions computed, summed
