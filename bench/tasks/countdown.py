@@ -113,6 +113,9 @@ class CountdownTask:
     n_sources: int = 3
     max_source: int = 20
     max_value: int = 99
+    # training answers combine the first two sources first whenever such a solution exists (a fixed order turns
+    # "which pair first" into "which operations"; docs/log.md, countdown third attempt). Inputs are unchanged.
+    canonical: bool = False
     # Both bounds assume max_source <= 99 and max_value <= 99 (two-digit numbers).
     max_input_chars: int = attrs.field(
         init=False, default=attrs.Factory(lambda self: 3 * self.n_sources + 2, takes_self=True)
@@ -140,7 +143,10 @@ class CountdownTask:
             if target in sources:
                 continue
             input = ",".join(map(str, [*sources, target]))
-            return Problem(self.name, input, ",".join(eqs))
+            answer = ",".join(eqs)
+            if self.canonical:
+                answer = _first_pair_solution(sources, target, self.max_value) or answer
+            return Problem(self.name, input, answer)
 
     def format_prompt(self, input: str) -> str:
         """``f"{name}:{input}="``, e.g. ``"countdown:3,5,2,16="``."""
@@ -158,3 +164,14 @@ def _swap_commutative(eq: str) -> str:
     if m is None or m.group(2) not in "+*":
         return eq
     return f"{m.group(3)}{m.group(2)}{m.group(1)}={m.group(4)}"
+
+
+def _first_pair_solution(sources: list[int], target: int, max_value: int) -> str | None:
+    """The first solution (depth-first order) whose first equation combines ``sources[0]`` and ``sources[1]`` and
+    that uses every source, or None."""
+    for sol in solutions(sources, target, limit=200, max_value=max_value):
+        eqs = sol.split(",")
+        m = _EQ_RE.fullmatch(eqs[0])
+        if len(eqs) == len(sources) - 1 and sorted((int(m.group(1)), int(m.group(3)))) == sorted(sources[:2]):
+            return sol
+    return None
