@@ -29,7 +29,7 @@ import polestar
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit
 
-from .harness import load_problems, run_policy
+from .harness import load_problems, optional_overrides, run_policy
 from .tasks import get_task
 
 BIN_LABELS = ("<0.5", "0.5-lower", "band", ">=tau")
@@ -104,7 +104,7 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
         raise ValueError("n and batch_size must be at least 1")
     task = get_task(task_name)
     GenerationConfig(**{k: v for k, v in decoding.items() if k != "compile"})  # validate before any work
-    pipelines = {name: polestar.assemble(name, {k + "?": v for k, v in options.items()}) for name in policies}
+    pipelines = {name: polestar.assemble(name, optional_overrides(options)) for name in policies}
     model = polestar.load(model_name, dtype=dtype, device=device)
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"{model_name} has no tokenizer.json; task prompts and answers need one")

@@ -55,12 +55,11 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
     items = []
     tokens = seq_nfe = evals = 0
     wall = 0.0
-    stages = None
+    out = None
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         prompts = [task.format_prompt(p.input) for p in chunk]
         out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
-        stages = out.pipeline.describe()
         for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
             items.append({
                 "policy": name, "input": prob.input, "generation": text,
@@ -83,7 +82,7 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
         "token_layer_evals_per_token": evals / max(tokens, 1),
         "n": len(items),
         "wall_s": wall,
-        "stages": stages,  # the stages and options the policy actually ran with
+        "stages": out.pipeline.describe() if out is not None else None,  # the stages and options it ran with
     }
     return items, summary
 
@@ -134,7 +133,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}}}``."""
     task = get_task(task_name)
     for name in policies:  # fail on a bad policy or option before any decoding
-        polestar.assemble(name, {k + "?": v for k, v in options.items()})
+        polestar.assemble(name, optional_overrides(options))
     for key, value in options.items():
         if not any(_accepts(name, key, value, options) for name in policies):
             polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing valid options
@@ -143,8 +142,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     items, summary = [], {}
     bar = _progress(len(problems) * len(policies), show_progress)
     for name in policies:
-        opts = {k + "?": v for k, v in options.items()}
-        its, summ = run_policy(model, task, problems, name, opts, decoding, batch_size, bar)
+        its, summ = run_policy(model, task, problems, name, optional_overrides(options), decoding, batch_size, bar)
         items += its
         summary[name] = summ
     if bar is not None:
@@ -165,7 +163,7 @@ def profile_policies(model_name, task_name, policies, n, options, decoding, batc
     problems = load_problems(task_name, n)
     out = {}
     for name in policies:
-        opts = {k + "?": v for k, v in options.items()}
+        opts = optional_overrides(options)
         times = profile_shares(lambda name=name, opts=opts: run_policy(model, task, problems, name, opts, decoding, batch_size))
         total = times.pop("total")
         drift_parts = ("proxy_attention", "drift", "cluster", "store", "packet")
@@ -184,9 +182,15 @@ def format_profile(profile: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def optional_overrides(options: dict[str, Any]) -> dict[str, Any]:
+    """``--set`` options as optional overrides (``key?``): each applies to the policies whose stages take it
+    (see :func:`polestar.assemble`)."""
+    return {k + "?": v for k, v in options.items()}
+
+
 def _swaps(options: dict[str, Any], but: str) -> dict[str, Any]:
     """The stage swaps among ``options`` (other than ``but``), as optional overrides."""
-    return {k + "?": v for k, v in options.items() if k in KINDS and k != but}
+    return optional_overrides({k: v for k, v in options.items() if k in KINDS and k != but})
 
 
 def _accepts(policy: str, key: str, value: Any, options: dict[str, Any]) -> bool:
