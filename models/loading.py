@@ -15,6 +15,7 @@ from .backbone import DiffusionLM
 from .dream import Dream, dream_config, dream_spec
 from .llada import LLaDA, llada_config, llada_spec
 from .spec import ModelSpec
+from .text import check_mask_id, load_tokenizer, text_defaults
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 
@@ -107,8 +108,8 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
 def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
     """Load an LLaDA or Dream checkpoint directory strictly: every parameter present with its exact shape.
 
-    Raises one error naming every missing, unexpected or mis-shaped tensor. The tokenizer (``tokenizer.json``),
-    when present, is attached as ``model.tokenizer``.
+    Raises one error naming every missing, unexpected or mis-shaped tensor. The tokenizer, when present, is
+    attached as ``model.tokenizer`` (see :func:`attach_text`).
     """
     directory = resolve_checkpoint(path_or_name)
     dtype = resolve_dtype(dtype)
@@ -152,18 +153,18 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None,
     model.rotary.inv_freq = (1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))).to(device)
     model.to(dtype=dtype).eval()
     model.rotary.inv_freq = model.rotary.inv_freq.float()
-    model.tokenizer = _load_tokenizer(directory)
+    attach_text(model, directory)
     model.name_or_path = str(directory)
     return model
 
 
-def _load_tokenizer(directory: Path):
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
+def attach_text(model: DiffusionLM, directory: Path) -> None:
+    """Attach the checkpoint's tokenizer (``model.tokenizer``) and stop ids / decoding defaults
+    (``model.text_defaults``); raises ValueError when the tokenizer's mask token contradicts config.json."""
+    tokenizer = load_tokenizer(directory)
+    check_mask_id(directory, tokenizer, model.spec.mask_id)
+    model.tokenizer = tokenizer
+    model.text_defaults = text_defaults(directory, tokenizer, model.spec.eos_id)
 
 
 def save_model(model: DiffusionLM, directory: str | Path, tokenizer=None, shard_size: int | None = None) -> Path:
@@ -191,8 +192,8 @@ def save_model(model: DiffusionLM, directory: str | Path, tokenizer=None, shard_
         (directory / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
         )
-    if tokenizer is not None:
-        tokenizer.save(str(directory / "tokenizer.json"))
+    if tokenizer is not None:  # a tokenizers.Tokenizer, or a transformers tokenizer wrapping one
+        getattr(tokenizer, "backend_tokenizer", tokenizer).save(str(directory / "tokenizer.json"))
     return directory
 
 
