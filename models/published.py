@@ -259,17 +259,34 @@ _WRITERS = {"llada": write_llada_tokenizer, "dream": write_dream_tokenizer}
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _random_chunks(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, rows: int) -> Iterator[bytes]:
-    """Bytes of one random tensor in row chunks: norms 1, everything else N(0, 0.02)."""
-    gen = torch.Generator().manual_seed(seed)
+def _random_chunks(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int,
+                   pool_bytes: int = 16 << 20) -> Iterator[bytes | memoryview]:
+    """Bytes of one random tensor: norm weights 1, everything else N(0, 0.02) values.
+
+    A pool of at most ``pool_bytes`` random values is drawn once and written over and over, rotated by a
+    different pseudo-random offset each time, so an 8B-wide tensor costs little more than its disk write.
+    """
+    numel = int(torch.Size(shape).numel())
     if len(shape) == 1 and ("norm" in name or name.endswith("ln_f.weight")):
-        yield torch.ones(shape, dtype=dtype).view(torch.uint8).numpy().tobytes()
+        yield torch.ones(numel, dtype=dtype).view(torch.uint8).numpy().tobytes()
         return
-    first = shape[0]
-    for start in range(0, first, rows):
-        n = min(rows, first - start)
-        chunk = torch.empty((n, *shape[1:]), dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
-        yield chunk.view(torch.uint8).numpy().tobytes()
+    gen = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    pool_n = min(numel, max(1, pool_bytes // size))
+    pool = torch.empty(pool_n, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
+    raw = memoryview(pool.view(torch.uint8).numpy()).cast("B")
+    left = numel
+    while left:
+        n = min(pool_n, left)
+        shift = int(torch.randint(0, pool_n, (1,), generator=gen)) if n == pool_n else 0
+        rotated = (raw[shift * size :], raw[: shift * size])
+        want = n * size
+        for part in rotated:
+            take = part[: want]
+            want -= len(take)
+            if len(take):
+                yield take
+        left -= n
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int) -> int:
@@ -287,9 +304,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dt
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for k, (name, shape) in enumerate(tensors):
-            row_bytes = size * int(torch.Size(shape[1:]).numel()) if len(shape) > 1 else size
-            rows = max(1, (32 << 20) // row_bytes)
-            for chunk in _random_chunks(name, shape, dtype, seed * 100003 + k, rows):
+            for chunk in _random_chunks(name, shape, dtype, seed * 100003 + k):
                 f.write(chunk)
     return offset
 

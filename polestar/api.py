@@ -19,10 +19,11 @@ from .policy import Pipeline, assemble
 from .stats import RunStats
 
 
-def load(path: str | Path, dtype: torch.dtype | str | None = torch.float32, device: str | torch.device = "cpu") -> DiffusionLM:
+def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
     """Load an LLaDA or Dream checkpoint: a Hugging Face-format directory or a shipped name (``"tiny-llada"``).
 
-    ``dtype``: float32, bfloat16 or float16. Weights come from safetensors only. The checkpoint's tokenizer is
+    ``dtype``: float32, bfloat16 or float16; None (default) keeps the checkpoint's ``torch_dtype``. Weights come
+    from safetensors only, read straight into the model's memory (peak host memory about the weights' size). The checkpoint's tokenizer is
     attached as ``model.tokenizer`` (a ``transformers.PreTrainedTokenizerBase``, or None without tokenizer files)
     and its stop tokens / decoding defaults (``generation_config.json``) as ``model.text_defaults``.
     """

@@ -42,7 +42,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                    help="decode every block even after a sequence has committed its EOS (as LLaDA's and Fast-dLLM's "
                         "reference loops do); by default a sequence stops there")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights' dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
 
