@@ -14,7 +14,7 @@ how the tests exercise them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -26,7 +26,6 @@ try:  # pragma: no cover - exercised implicitly by the import
 except ImportError:  # pragma: no cover - triton is installed in CI
     HAS_TRITON = False
 
-Backend = Literal["auto", "triton", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
 
 F = TypeVar("F", bound=Callable)
