@@ -174,3 +174,10 @@ def test_mask_id_disagreement_is_refused(narrow, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mask_token_id=.*disagree|so they agree"):
         polestar.load(tmp_path)
+
+
+def test_chat_needs_string_prompts():
+    model = polestar.load("tiny-llada")
+    for prompts in ([[3, 4, 5]], torch.tensor([[3, 4, 5]])):
+        with pytest.raises(ValueError, match="chat=True formats string prompts"):
+            polestar.api.encode_prompts(model, prompts, chat=True)
