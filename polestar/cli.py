@@ -1,37 +1,65 @@
 """Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``,
-``polestar anatomy``."""
+``polestar anatomy``.
+
+Bad input is answered before any work with one ``error: ...`` line naming the problem and the fix (exit code 2);
+a failure while working is one line too (exit code 1); ``--debug`` adds the traceback. The checks live in
+:mod:`polestar.cli_checks`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from .cli_checks import (
+    RuntimeFailure,
+    UsageError,
+    check_device,
+    check_finite_weights,
+    check_generation_config,
+    check_model,
+    check_positive,
+    check_task_prompts,
+    get_task_or_usage,
+    one_line,
+    parse_sets,
+    working,
+)
 
-def _parse_value(text: str) -> Any:
-    """``--set`` values: JSON scalars when they parse (0.9, 4, true, null), else the string."""
+__all__ = ["build_parser", "main", "parse_sets"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one ``error: ...`` line (exit code 2) instead of usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
+def _package_version() -> str:
+    """The installed distribution's version (``polestar-dllm``), else ``polestar.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+        return version("polestar-dllm")
+    except PackageNotFoundError:  # a source tree that is not installed
+        from polestar import __version__
+
+        return __version__
 
 
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise SystemExit(f"error: --set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = _parse_value(value.strip())
-    return out
-
-
-def _add_decoding_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="fast-dllm", help="policy name (see `polestar policies`)")
+def _add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
+    if policy:
+        p.add_argument("--policy", default="fast-dllm", help="policy name (see `polestar policies`)")
+    else:  # bench / anatomy take --policies; a --policy is answered with a pointer to it, never ignored
+        p.add_argument("--policy", default=None, help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="stage option or stage swap, e.g. threshold=0.8, commit=factor, refresh.refresh_interval=2")
     p.add_argument("--gen-length", type=int, default=64)
@@ -44,7 +72,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "reference loops do); by default a sequence stops there")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each step with torch.compile (compile time is reported apart from TPS)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
 
 
 def decoding_from_args(args) -> dict[str, Any]:
@@ -57,38 +87,121 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
     """Model, task, policies and problems of `bench` and `anatomy`."""
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--task", default="arith")
-    p.add_argument("--policies", default=policies)
+    p.add_argument("--policies", default=policies, help="comma-separated policy names")
     p.add_argument("--n", type=int, default=n)
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def _check_policy(policy: str, sets: dict[str, Any]) -> None:
+    """The policy exists and every ``--set`` applies to one of its stages with a valid value. Strict: one policy
+    was asked for, so an option none of its stages has is an error, never silently ignored."""
+    import polestar
+
+    try:
+        polestar.assemble(policy, sets)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"--policy {policy}: {one_line(err)}") from None
+
+
+def _load_checked(args):
+    """Load ``--model`` (a failure is a runtime failure naming it) and refuse non-finite weights."""
+    import polestar
+
+    with working(f"loading model {args.model}"):
+        model = polestar.load(args.model, dtype=args.dtype, device=args.device)
+    check_finite_weights(model, args.model)
+    return model
+
+
+def _check_prompts_fit(model, prompts: list[str], gen_length: int) -> None:
+    """Each prompt encodes to ≥ 1 in-vocabulary token and fits the model's context with ``gen_length``."""
+    import polestar
+
+    try:
+        _, mask = polestar.encode_prompts(model, prompts)
+    except ValueError as err:
+        raise UsageError(one_line(err)) from None
+    limit = model.spec.max_seq_len
+    for i, n in enumerate(mask.sum(dim=1).tolist()):
+        if n + gen_length > limit:
+            raise UsageError(f"prompt #{i + 1} has {n} tokens; with --gen-length {gen_length} that is "
+                             f"{n + gen_length} > the model's context ({limit}); shorten the prompt or lower --gen-length")
+
+
+class BatchProgress:
+    """One stderr line per finished batch (``generate: batch 2/5 · 64/150 prompts · 3.1s · ETA 4.6s``), shown only
+    when there is more than one batch and ``--quiet`` is not given."""
+
+    def __init__(self, n_prompts: int, n_batches: int, quiet: bool):
+        self.n_prompts, self.n_batches = n_prompts, n_batches
+        self.show = n_batches > 1 and not quiet
+        self.done = self.batches = 0
+        self.start = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.batches += 1
+        if not self.show:
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * (self.n_prompts - self.done)
+        print(f"generate: batch {self.batches}/{self.n_batches} · {self.done}/{self.n_prompts} prompts · "
+              f"{elapsed:.1f}s · ETA {eta:.1f}s", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:
     import polestar
+    from polestar.stats import RunStats
 
-    model = polestar.load(args.model, dtype=args.dtype, device=args.device)
-    prompts = args.prompt
+    sets = parse_sets(args.set)
+    decoding = decoding_from_args(args)
+    check_generation_config(decoding)
+    check_positive("--batch-size", args.batch_size)
+    check_device(args.device)
+    check_model(args.model)
+    check_task_prompts(args.task, args.prompt)
+    _check_policy(args.policy, sets)
+    prompts = list(args.prompt)
     if args.task:
-        from polestar.bench.tasks import get_task
-
-        prompts = [get_task(args.task).format_prompt(p) for p in args.prompt]
-    out = polestar.generate(model, prompts, policy=args.policy, **decoding_from_args(args), **parse_sets(args.set))
-    if args.json:
-        print(json.dumps({
-            "policy": args.policy,
-            "stages": out.pipeline.describe(),
-            "tokens": out.tokens.tolist(),
-            "prompt_len": out.prompt_len,
-            "texts": out.texts,
-            "stats": out.stats.as_dict(),
-        }))
-        return 0
-    texts = out.texts or [str(row) for row in out.generations.tolist()]
-    for prompt, text in zip(args.prompt, texts):
-        print(f"{prompt!r} -> {text!r}")
-    s = out.stats
-    print(f"[{args.policy}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s "
+        task = get_task_or_usage(args.task)
+        prompts = [task.format_prompt(p) for p in prompts]
+    model = _load_checked(args)
+    _check_prompts_fit(model, prompts, args.gen_length)
+    size = args.batch_size
+    batches = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+    progress = BatchProgress(len(prompts), len(batches), args.quiet)
+    outs = []
+    for rows in batches:
+        with working("decoding"):
+            out = polestar.generate(model, [prompts[i] for i in rows], policy=args.policy, **decoding, **sets)
+        outs.append((rows, out))
+        progress.update(len(rows))
+    for rows, out in outs:
+        if args.json:  # one JSON object per batch (one line each)
+            print(json.dumps({
+                "policy": args.policy,
+                "stages": out.pipeline.describe(),
+                "tokens": out.tokens.tolist(),
+                "prompt_len": out.prompt_len,
+                "texts": out.texts,
+                "stats": out.stats.as_dict(),
+            }))
+            continue
+        texts = out.texts or [str(row) for row in out.generations.tolist()]
+        for i, text in zip(rows, texts):
+            print(f"{args.prompt[i]!r} -> {text!r}")
+    errors = [(rows[i], err) for rows, out in outs for i, err in out.stats.errors]
+    if errors:
+        first, err = errors[0]
+        more = f" (and {len(errors) - 1} more prompt(s))" if len(errors) > 1 else ""
+        raise RuntimeFailure(f"prompt #{first + 1} {args.prompt[first]!r} stopped early: {err}{more}; its output is "
+                             "incomplete (a float32 run may avoid it: --dtype float32)")
+    s = RunStats.merge([out.stats for _, out in outs])
+    compiled = f" compile={s.compile_s:.2f}s" if args.compile else ""
+    print(f"[{args.policy}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s{compiled} "
           f"token_layer_evals={s.token_layer_evals}", file=sys.stderr)
     return 0
 
@@ -133,15 +246,21 @@ def cmd_bench(args) -> int:
 def cmd_agree(args) -> int:
     from polestar.bench.agreement import agree_cli
 
+    if (args.policy_a is None) != (args.policy_b is None):
+        raise UsageError("--policy-a and --policy-b go together; give both or neither")
     return agree_cli(args.a, args.b, args.policy_a, args.policy_b)
 
 
 def cmd_anatomy(args) -> int:
     from polestar.bench.anatomy import commit_anatomy, format_anatomy
+    from polestar.bench.harness import check_problem_args
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    result = commit_anatomy(args.model, args.task, policies, args.n, parse_sets(args.set), decoding_from_args(args),
-                            args.batch_size, args.data, args.dtype, args.device)
+    sets = parse_sets(args.set)
+    decoding = decoding_from_args(args)
+    policies = check_problem_args(args, sets, decoding)
+    with working("anatomy"):
+        result = commit_anatomy(args.model, args.task, policies, args.n, sets, decoding, args.batch_size, args.data,
+                                args.dtype, args.device)
     title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
     print(format_anatomy(result, title))
     if args.json_out:
@@ -150,45 +269,64 @@ def cmd_anatomy(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polestar", description="Fast decoding for diffusion language models")
+    parser = OneLineParser(prog="polestar", description="Fast decoding for diffusion language models")
+    parser.add_argument("--version", action="version", version=f"polestar {_package_version()}")
+    parser.add_argument("--debug", action="store_true", default=False, help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode prompts with a policy")
     g.add_argument("--model", default="tiny-llada", help="checkpoint directory or shipped name (tiny-llada, tiny-dream)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     g.add_argument("--task", default=None, help="format each prompt with this task's prompt layout (e.g. arith)")
+    g.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (default 32)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr (shown when >1 batch)")
     _add_decoding_args(g)
-    g.add_argument("--json", action="store_true", help="print one JSON object with tokens, texts and stats")
+    g.add_argument("--json", action="store_true", help="print one JSON object per batch with tokens, texts and stats")
     g.set_defaults(func=cmd_generate)
     p = sub.add_parser("policies", help="list policies and stages with their options")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_policies)
     b = sub.add_parser("bench", help="accuracy / throughput of policies on a task")
     _add_problem_args(b, "baseline,parallel,fast-dllm", n=200, batch_size=1)
     b.add_argument("--plot", default=None, metavar="OUT.png")
     b.add_argument("--profile", action="store_true", help="report the share of step time per stage")
-    _add_decoding_args(b)
+    _add_decoding_args(b, policy=False)
     b.set_defaults(func=cmd_bench)
     an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")
     _add_problem_args(an, "fast-dllm,polestar", n=100, batch_size=50)
-    _add_decoding_args(an)
+    _add_decoding_args(an, policy=False)
     an.set_defaults(func=cmd_anatomy)
     a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")
     a.add_argument("a", metavar="A.json")
     a.add_argument("b", metavar="B.json")
     a.add_argument("--policy-a", help="compare only this policy of A ... (needs --policy-b)")
     a.add_argument("--policy-b", help="... with this policy of B")
+    a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_agree)
     return parser
 
 
+#: Exceptions raised by validation (argument, option and configuration checks) before any work: usage errors.
+_USAGE_ERRORS = (UsageError, ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run the command line; returns the exit code (0 ok, 1 runtime failure, 2 usage error, 130 interrupted)."""
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except RuntimeFailure as err:
+        code, line = 1, one_line(err)
+    except _USAGE_ERRORS as err:
+        code, line = 2, one_line(err)
+    except KeyboardInterrupt:
+        code, line = 130, "interrupted"
+    except Exception as err:  # an unexpected failure: still one line; --debug shows where
+        code, line = 1, f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)"
+    if args.debug:
+        traceback.print_exc()
+    print(f"error: {line}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
