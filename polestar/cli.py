@@ -312,19 +312,22 @@ _USAGE_ERRORS = (UsageError, ValueError, KeyError, TypeError, FileNotFoundError,
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 runtime failure, 2 usage error, 130 interrupted)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, --version, or an argparse usage error (already printed in one line)
+        return done.code if isinstance(done.code, int) else 2
     try:
         return args.func(args)
     except RuntimeFailure as err:
-        code, line = 1, one_line(err)
+        code, line, error = 1, one_line(err), err
     except _USAGE_ERRORS as err:
-        code, line = 2, one_line(err)
-    except KeyboardInterrupt:
-        code, line = 130, "interrupted"
+        code, line, error = 2, one_line(err), err
+    except KeyboardInterrupt as err:
+        code, line, error = 130, "interrupted", err
     except Exception as err:  # an unexpected failure: still one line; --debug shows where
-        code, line = 1, f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)"
+        code, line, error = 1, f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)", err
     if args.debug:
-        traceback.print_exc()
+        traceback.print_exception(type(error), error, error.__traceback__)
     print(f"error: {line}", file=sys.stderr)
     return code
 
