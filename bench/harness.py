@@ -265,7 +265,8 @@ def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) 
         try:
             load_problems(args.task, args.n, args.data)
         except (ValueError, FileNotFoundError) as err:
-            raise cc.UsageError(f"--data: {cc.one_line(err)}") from None
+            line = cc.one_line(err)
+            raise cc.UsageError(line if line.startswith("--data") else f"--data: {line}") from None
     return policies
 
 
