@@ -77,6 +77,7 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
             items.append({
                 "policy": name, "input": prob.input, "generation": text,
                 "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe,
+                "error": getattr(seq, "error", None),  # why decoding stopped early (non-finite logits), else None
             })
         tokens += out.stats.tokens
         seq_nfe += sum(s.nfe for s in out.stats.sequences)
@@ -292,4 +293,12 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     if args.plot:
         pareto_plot(result["summary"], args.plot, title)
+    failed = [item for item in result["items"] if item.get("error")]
+    if failed:
+        from polestar.cli_checks import RuntimeFailure
+
+        first = failed[0]
+        raise RuntimeFailure(f"{len(failed)} of {len(result['items'])} problem(s) stopped early, scored as wrong; first: "
+                             f"policy {first['policy']}, input {first['input']!r}: {first['error']} (items carry "
+                             "'error' in --json)")
     return 0

@@ -8,6 +8,7 @@ exactly one ``error:`` line on stderr naming the flag / key / file, and, for the
 import json
 import sys
 
+import attrs
 import pytest
 import torch
 
@@ -94,21 +95,34 @@ def test_nan_weights_refused(capsys, nan_checkpoint):
     assert code == 1 and "NaN" in line and "weight" in line
 
 
-def test_sequence_error_is_one_line_exit_1(capsys, checkpoint, monkeypatch):
-    # the engine records non-finite logits as SequenceStats.error; the CLI must report it, not print an empty output
+@pytest.fixture
+def first_sequence_fails(monkeypatch):
+    """The engine records non-finite logits as ``SequenceStats.error``: make the first sequence of every call
+    carry one (the rest decode normally), so the CLI's reporting is tested on its own."""
     real = polestar.generate
 
     def with_error(*args, **kwargs):
         out = real(*args, **kwargs)
-        seqs = (SequenceStats(1, 0, 1, error="non-finite logits at step 0"), *out.stats.sequences[1:])
-        import attrs
-
+        seqs = (attrs.evolve(out.stats.sequences[0], error="non-finite logits at step 0"), *out.stats.sequences[1:])
         return attrs.evolve(out, stats=attrs.evolve(out.stats, sequences=seqs))
 
     monkeypatch.setattr(polestar, "generate", with_error)
+
+
+def test_sequence_error_is_one_line_exit_1(capsys, checkpoint, first_sequence_fails):
+    # reported in one line with exit code 1, not an empty output with exit code 0
     code, line = run(capsys, ["generate", "--model", checkpoint, "--prompt", "3+4", "--prompt", "1+1",
                               "--gen-length", "16", "--block-length", "8"])
     assert code == 1 and "prompt #1 '3+4'" in line and "non-finite logits" in line
+
+
+def test_bench_reports_sequence_errors(capsys, checkpoint, first_sequence_fails, tmp_path):
+    out_json = tmp_path / "r.json"
+    code, line = run(capsys, ["bench", "--model", checkpoint, "--policies", "fast-dllm", "--n", "2", "--batch-size",
+                              "2", "--gen-length", "16", "--block-length", "8", "--quiet", "--json", str(out_json)])
+    assert code == 1 and "1 of 2 problem(s) stopped early" in line and "non-finite logits" in line
+    items = json.loads(out_json.read_text())["items"]
+    assert [item["error"] for item in items] == ["non-finite logits at step 0", None]
 
 
 def test_task_input_validated(capsys, no_work):
