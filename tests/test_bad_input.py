@@ -341,6 +341,9 @@ def test_progress_on_several_batches(capsys, checkpoint):
     assert "generate: batch" not in capsys.readouterr().err
     assert main([*argv[:-2], "--batch-size", "8"]) == 0  # one batch: no progress lines
     assert "generate: batch" not in capsys.readouterr().err
+    assert main([*argv, "--json", "--quiet"]) == 0  # one JSON object per batch
+    batches = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [len(b["texts"]) for b in batches] == [2, 1]
 
 
 def test_compile_seconds_counts_compile_time():
