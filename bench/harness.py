@@ -147,6 +147,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
               decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str = "float32",
               device: str = "cpu", show_progress: bool = True) -> dict:
     """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}}}``."""
+    check_run_args(policies, n, batch_size)
     task = get_task(task_name)
     for name in policies:  # fail on a bad policy or option before any decoding
         polestar.assemble(name, optional_overrides(options))
@@ -226,6 +227,15 @@ def _progress(total: int, show: bool):
     except ImportError:  # pragma: no cover - tqdm is in the bench/test extras
         return None
     return tqdm(total=total, desc="bench", unit="problem")
+
+
+def check_run_args(policies: list[str], n: int, batch_size: int) -> None:
+    """ValueError, before any work, for an empty policy list or ``n`` / ``batch_size`` below 1 (Python API)."""
+    if not policies:
+        raise ValueError(f"no policies given; name at least one of: {', '.join(polestar.policy_names())}")
+    for name, value in (("n", n), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
 
 
 def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) -> list[str]:

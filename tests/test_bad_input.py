@@ -146,6 +146,12 @@ def test_every_task_validates_its_inputs(name):
 def test_bench_n_zero(capsys, no_work):
     code, line = run(capsys, [*BENCH, "--n", "0"])
     assert code == 2 and "--n must be at least 1" in line
+    from polestar.bench.harness import run_bench
+
+    for policies, n, batch_size, match in ([["baseline"], 0, 1, "n must be"], [[], 1, 1, "no policies"],
+                                           [["baseline"], 1, 0, "batch_size must be"]):
+        with pytest.raises(ValueError, match=match):
+            run_bench("tiny-llada", "arith", policies, n, {}, {"gen_length": 16, "block_length": 8}, batch_size)
 
 
 def test_bench_policies_empty(capsys, no_work):
