@@ -168,7 +168,7 @@ def check_task_prompts(task_name: str | None, prompts: list[str]) -> None:
         try:
             task.validate_input(prompt)
         except ValueError as err:
-            which = f"--prompt {prompt!r}" if len(prompts) == 1 else f"--prompt #{i + 1} {prompt!r}"
+            which = "--prompt" if len(prompts) == 1 else f"--prompt #{i + 1}"
             raise UsageError(f"{which}: {one_line(err)}") from None
 
 
