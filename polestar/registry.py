@@ -77,8 +77,9 @@ def build(kind: str, name: str, **options: Any):
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise ValueError(f"{kind} stage {name!r} has no option(s) {unknown}; its options: {sorted(fields)}")
+    required = {k: v for k, v in options.items() if fields[k].default is attrs.NOTHING}
     for key, value in options.items():
-        _check_option(cls, kind, name, fields[key], value)
+        _check_option(cls, kind, name, fields[key], value, required)
     try:
         config = cls.Config(**options)
     except (TypeError, ValueError) as err:  # a check across options
@@ -132,14 +133,15 @@ def _type_ok(type_name: str, value: Any) -> bool:
     return True
 
 
-def _check_option(cls: type, kind: str, name: str, field: attrs.Attribute, value: Any) -> None:
-    """Type and range of one option, checked on its own so the error names it."""
+def _check_option(cls: type, kind: str, name: str, field: attrs.Attribute, value: Any, required: dict) -> None:
+    """Type and range of one option, checked on its own (with only the ``required`` options, which have no default)
+    so the error names it."""
     problem = None
     if not _type_ok(_type_name(field), value):
         problem = f"got {value!r} ({type(value).__name__})"
     else:
         try:
-            cls.Config(**{field.name: value})
+            cls.Config(**{**required, field.name: value})
         except (TypeError, ValueError) as err:
             problem = f"got {value!r} ({_one_line(err)})"
     if problem is not None:
