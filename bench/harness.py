@@ -34,16 +34,29 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"--data file {data} does not exist")
+    task = get_task(task_name)
     problems = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        rec = json.loads(line)
-        if "input" not in rec:
-            raise ValueError(f"{data}:{lineno}: record has no 'input' field")
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{data}:{lineno}: not valid JSON ({err.msg}, column {err.colno}); each line must be one "
+                             'object like {"input": "3+4*2", "output": "..."}') from None
+        if not isinstance(rec, dict) or "input" not in rec:
+            raise ValueError(f"{data}:{lineno}: record has no 'input' field; each line must be one object like "
+                             '{"input": "3+4*2", "output": "..."}')
+        try:
+            task.validate_input(str(rec["input"]))
+        except ValueError as err:
+            raise ValueError(f"{data}:{lineno}: {err}") from None
         problems.append(Problem(task_name, str(rec["input"]), str(rec.get("output", ""))))
         if len(problems) >= n:
             break
+    if not problems:
+        raise ValueError(f"{data} holds no records; each line must be one object like "
+                         '{"input": "3+4*2", "output": "..."}')
     return problems
 
 
@@ -54,7 +67,7 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
     name = policy if isinstance(policy, str) else policy.policy
     items = []
     tokens = seq_nfe = evals = 0
-    wall = 0.0
+    wall = compile_s = 0.0
     out = None
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
@@ -64,11 +77,13 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
             items.append({
                 "policy": name, "input": prob.input, "generation": text,
                 "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe,
+                "error": getattr(seq, "error", None),  # why decoding stopped early (non-finite logits), else None
             })
         tokens += out.stats.tokens
         seq_nfe += sum(s.nfe for s in out.stats.sequences)
         evals += out.stats.token_layer_evals
         wall += out.stats.wall_s
+        compile_s += out.stats.compile_s
         if progress is not None:
             progress.update(len(chunk))
     correct = sum(i["correct"] for i in items)
@@ -82,6 +97,7 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
         "token_layer_evals_per_token": evals / max(tokens, 1),
         "n": len(items),
         "wall_s": wall,
+        "compile_s": compile_s,  # torch.compile time, excluded from wall_s and tps
         "stages": out.pipeline.describe() if out is not None else None,  # the stages and options it ran with
     }
     return items, summary
@@ -132,6 +148,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
               decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str = "float32",
               device: str = "cpu", show_progress: bool = True) -> dict:
     """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}}}``."""
+    check_run_args(policies, n, batch_size)
     task = get_task(task_name)
     for name in policies:  # fail on a bad policy or option before any decoding
         polestar.assemble(name, optional_overrides(options))
@@ -213,14 +230,72 @@ def _progress(total: int, show: bool):
     return tqdm(total=total, desc="bench", unit="problem")
 
 
+def check_run_args(policies: list[str], n: int, batch_size: int) -> None:
+    """ValueError, before any work, for an empty policy list or ``n`` / ``batch_size`` below 1 (Python API)."""
+    if not policies:
+        raise ValueError(f"no policies given; name at least one of: {', '.join(polestar.policy_names())}")
+    for name, value in (("n", n), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+
+
+def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) -> list[str]:
+    """Every check of ``polestar bench`` / ``anatomy`` arguments, before any model is loaded; returns the policies.
+
+    Raises :class:`~polestar.cli_checks.UsageError` (one line naming the flag and the fix) for: ``--policy``
+    (bench takes ``--policies``), an empty or unknown ``--policies``, ``--n`` / ``--batch-size`` < 1, a bad
+    decoding layout, a ``--set`` that the single chosen policy does not have (or, with several policies, that
+    none has), ``--device``, ``--model``, ``--task``, a malformed ``--data`` file (file and line named) and
+    ``--json`` / ``--plot`` outputs whose directory is missing (and ``--plot`` without matplotlib).
+    """
+    from polestar import cli_checks as cc
+
+    if getattr(args, "policy", None) is not None:
+        raise cc.UsageError(f"this command takes --policies (comma-separated), not --policy; "
+                            f"use --policies {args.policy}")
+    policies = cc.split_policies(args.policies)
+    cc.check_positive("--n", args.n)
+    cc.check_positive("--batch-size", args.batch_size)
+    cc.check_generation_config(decoding)
+    try:
+        if len(policies) == 1:  # exactly one policy asked for: every --set must apply to it
+            polestar.assemble(policies[0], options)
+        for name in policies:
+            polestar.assemble(name, optional_overrides(options))
+        for key, value in options.items():
+            if not any(_accepts(name, key, value, options) for name in policies):
+                polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing options
+    except (ValueError, TypeError) as err:
+        raise cc.UsageError(f"--set: {cc.one_line(err)}") from None
+    cc.check_device(args.device)
+    cc.check_model(args.model)
+    cc.get_task_or_usage(args.task)
+    for flag, path in (("--json", args.json_out), ("--plot", getattr(args, "plot", None))):
+        cc.check_output_file(flag, path)
+    cc.check_plot_backend(getattr(args, "plot", None))
+    if args.data is not None:
+        try:
+            load_problems(args.task, args.n, args.data)
+        except (ValueError, FileNotFoundError) as err:
+            line = cc.one_line(err)
+            raise cc.UsageError(line if line.startswith("--data") else f"--data: {line}") from None
+    return policies
+
+
 def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
-                       args.dtype, args.device)
+    from polestar.cli_checks import working
+
+    policies = check_problem_args(args, options, decoding)
+    with working("bench"):
+        result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
+                           args.dtype, args.device, show_progress=not args.quiet)
     title = f"{args.model} / {args.task} / n={result['n']} / gen {args.gen_length} block {args.block_length}"
     if not args.stop_at_eos:
         title += " / no stop at EOS"
     print(format_table(result["summary"], title))
+    if args.compile:
+        print("compile time (excluded from TPS): " + ", ".join(
+            f"{name} {s['compile_s']:.1f}s" for name, s in result["summary"].items()))
     if args.profile:
         result["profile"] = profile_policies(args.model, args.task, policies, min(args.n, 8), options, decoding,
                                              args.batch_size, args.dtype, args.device)
@@ -229,4 +304,12 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     if args.plot:
         pareto_plot(result["summary"], args.plot, title)
+    failed = [item for item in result["items"] if item.get("error")]
+    if failed:
+        from polestar.cli_checks import RuntimeFailure
+
+        first = failed[0]
+        raise RuntimeFailure(f"{len(failed)} of {len(result['items'])} problem(s) stopped early, scored as wrong; first: "
+                             f"policy {first['policy']}, input {first['input']!r}: {first['error']} (items carry "
+                             "'error' in --json)")
     return 0
