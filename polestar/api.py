@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from polestar.models.loading import load_model
 from .config import GenerationConfig
 from .engine import decode
 from .policy import Pipeline, assemble
+from .state import StepRecord
 from .stats import RunStats
 
 
@@ -47,6 +48,11 @@ class GenerationOutput:
     def generations(self) -> torch.Tensor:
         """``[B, gen_length]`` generated tokens."""
         return self.tokens[:, self.prompt_len :]
+
+    @property
+    def errors(self) -> list[str | None]:
+        """Per sequence: why it stopped early (non-finite logits), None when it decoded normally."""
+        return [seq.error for seq in self.stats.sequences]
 
 
 def encode_prompts(model: DiffusionLM, prompts: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +109,7 @@ def generate(
     threshold: float | None = None,
     stop_at_eos: bool = True,
     compile: bool = False,
+    on_step: Callable[[StepRecord], None] | None = None,
     **overrides: Any,
 ) -> GenerationOutput:
     """Decode ``prompts`` with ``policy``: a registered policy name (see ``polestar policies``) or a
@@ -112,7 +119,8 @@ def generate(
     (``refresh="prefix"``); every value is validated before any work starts. ``threshold`` is the confidence
     threshold of the threshold-based commit rules; policies without one (``baseline``) ignore it, so one call
     can sweep every policy. ``compile=True`` runs each step's forward through ``torch.compile`` (CUDA graphs on
-    CUDA); tokens are the same as eager.
+    CUDA); tokens are the same as eager. ``on_step`` receives a :class:`~polestar.state.StepRecord` after every
+    step (for tests and diagnostics such as ``polestar anatomy``).
     """
     config = GenerationConfig(gen_length, block_length, steps, temperature, seed, stop_at_eos)
     if isinstance(policy, Pipeline):
@@ -131,7 +139,7 @@ def generate(
             f"prompt length {ids.shape[1]} + gen_length {gen_length} = {total} exceeds the model's context "
             f"({model.spec.max_seq_len}); shorten the prompt or lower gen_length"
         )
-    tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile)
+    tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile, on_step=on_step)
     texts = _decode_texts(model, tokens[:, ids.shape[1] :])
     return GenerationOutput(tokens, texts, stats, ids.shape[1], pipeline)
 

@@ -8,11 +8,13 @@ import attrs
 @attrs.frozen
 class SequenceStats:
     """Per-sequence counters: ``nfe`` forward passes that computed this sequence, ``tokens`` generated non-EOS
-    tokens, ``token_layer_evals`` positions computed summed over layers and steps, ``tpf`` = tokens / nfe."""
+    tokens, ``token_layer_evals`` positions computed summed over layers and steps, ``tpf`` = tokens / nfe;
+    ``error``: why the sequence stopped before finishing (non-finite logits), None when it decoded normally."""
 
     nfe: int
     tokens: int
     token_layer_evals: int
+    error: str | None = None
 
     @property
     def tpf(self) -> float:
@@ -55,7 +57,8 @@ class RunStats:
             "token_layer_evals": self.token_layer_evals,
             "token_layer_evals_per_token": self.token_layer_evals_per_token,
             "per_sequence": [
-                {"nfe": s.nfe, "tokens": s.tokens, "tpf": s.tpf, "token_layer_evals": s.token_layer_evals}
+                {"nfe": s.nfe, "tokens": s.tokens, "tpf": s.tpf, "token_layer_evals": s.token_layer_evals,
+                 "error": s.error}
                 for s in self.sequences
             ],
         }
