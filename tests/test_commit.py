@@ -129,7 +129,7 @@ def test_klass_with_zero_bound_commits_one_per_step(model):
     assert out.stats.nfe == 16
 
 
-@pytest.mark.parametrize("policy", ["polestar", "polestar-cache", "elastic-cache", "dllm-cache", "eb", "klass"])
+@pytest.mark.parametrize("policy", polestar.policy_names())
 def test_batch_equals_single(family, policy):
     m = make_model(family, seed=10)
     kw = dict(gen_length=16, block_length=8, threshold=0.3)

@@ -31,7 +31,7 @@ def test_split_clusters_matches_paper():
     assert split_clusters(8, 2, 2) == (2, 2)
 
 
-@pytest.mark.parametrize("cluster", ["kmeans", "chunks"])
+@pytest.mark.parametrize("cluster", names("cluster"))
 def test_polestar_refreshing_all_clusters_every_step_equals_no_cache(family, cluster):
     m = make_model(family, seed=2)
     ref = _gen(m, "parallel")
