@@ -45,6 +45,14 @@ def eos_finished(gen: torch.Tensor, mask_id: int, eos_id: int) -> tuple[torch.Te
     return finished, fill
 
 
+def forced_commits(transfer: torch.Tensor, masked: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+    """The engine's progress guarantee: in rows with masked positions where the rule chose nothing, the most
+    confident masked position. ``transfer, masked [B, bl]`` bool, ``confidence [B, bl]`` → ``[B, bl]`` bool."""
+    stalled = masked.any(dim=1) & ~transfer.any(dim=1)
+    best = torch.zeros_like(masked).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
+    return stalled[:, None] & best & masked
+
+
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits [B, bl, V]`` → ``[B]`` bool: rows with a NaN or infinite logit (a broken model or input)."""
     return ~torch.isfinite(logits).all(dim=2).all(dim=1)
@@ -126,11 +134,8 @@ def decode(
                 pred = predict(logits, masked, config.temperature, generator, spec.mask_id)
                 chosen = commit.select(pred, masked, state, commit_local)
                 transfer = chosen.commit & masked
-            stalled = masked.any(dim=1) & ~transfer.any(dim=1)
-            best = torch.zeros_like(masked).scatter_(1, pred.confidence.argmax(dim=1, keepdim=True), True)
-            forced = stalled[:, None] & best & masked
-            rule_transfer = transfer
-            transfer = transfer | forced
+            forced = forced_commits(transfer, masked, pred.confidence)
+            rule_transfer, transfer = transfer, transfer | forced
             state.last_commits = transfer.sum(dim=1)
             block_x = state.x[:, state.block_start : state.block_end]
             state.x[:, state.block_start : state.block_end] = torch.where(transfer, pred.tokens, block_x)
@@ -164,14 +169,14 @@ def decode(
     gen = state.x[:, P:]
     tokens = ((gen != spec.eos_id) & (gen != spec.mask_id)).sum(dim=1)
     seqs = tuple(
-        SequenceStats(int(n), int(t), int(e), _error_message(int(f), config))
+        SequenceStats(int(n), int(t), int(e), _error_message(int(f)))
         for n, t, e, f in zip(nfe.tolist(), tokens.tolist(), evals.tolist(), failed_at.tolist())
     )
     stats = RunStats(calls, int(tokens.sum()), wall, int(evals.sum()), seqs)
     return state.x, stats
 
 
-def _error_message(failed_at: int, config: GenerationConfig) -> str | None:
+def _error_message(failed_at: int) -> str | None:
     if failed_at < 0:
         return None
     return (f"non-finite logits (NaN or inf) at decoding step {failed_at}; the sequence was stopped there and its "
