@@ -3,8 +3,9 @@
 An adaptive commit rule (Polestar's drift-delta early commit, EB-sampler, KLASS) can only raise tokens per forward
 above Fast-dLLM's threshold rule by committing tokens whose confidence is *below* the threshold τ. How many such
 candidates a model offers is a property of the model and task, not of the rule. This tool decodes a task with a
-policy, wraps its commit rule in :class:`CommitRecorder`, and counts, over every (row, step) of the current
-block:
+policy, observes every step through :class:`CommitRecorder` (an ``on_step`` observer: the engine's typed
+:class:`~polestar.state.StepRecord` carries the commit origins the rule and the engine report, so nothing is
+re-derived here), and counts, over every (row, step) of the current block:
 
 * the masked candidates by confidence bin: ``< 0.5``, ``0.5 – lower``, ``lower – τ`` (the early-commit band;
   ``lower`` is the rule's ``min_confidence``, 0.7 when it has none) and ``≥ τ``;
