@@ -8,6 +8,8 @@ from typing import NamedTuple
 import attrs
 import torch
 
+from polestar.models.plan import Plan
+
 from .config import GenerationConfig
 
 
@@ -116,7 +118,7 @@ class StepRecord(NamedTuple):
     block_step: int
     block_start: int
     block_end: int
-    plan: object
+    plan: Plan
     active: torch.Tensor
     masked: torch.Tensor
     confidence: torch.Tensor
