@@ -3,8 +3,9 @@
 An adaptive commit rule (Polestar's drift-delta early commit, EB-sampler, KLASS) can only raise tokens per forward
 above Fast-dLLM's threshold rule by committing tokens whose confidence is *below* the threshold τ. How many such
 candidates a model offers is a property of the model and task, not of the rule. This tool decodes a task with a
-policy, wraps its commit rule in :class:`CommitRecorder`, and counts, over every (row, step) of the current
-block:
+policy, observes every step through :class:`CommitRecorder` (an ``on_step`` observer: the engine's typed
+:class:`~polestar.state.StepRecord` carries the commit origins the rule and the engine report, so nothing is
+re-derived here), and counts, over every (row, step) of the current block:
 
 * the masked candidates by confidence bin: ``< 0.5``, ``0.5 – lower``, ``lower – τ`` (the early-commit band;
   ``lower`` is the rule's ``min_confidence``, 0.7 when it has none) and ``≥ τ``;
@@ -22,7 +23,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import attrs
 import torch
 
 import polestar
@@ -37,61 +37,44 @@ COMMIT_LABELS = ("confident", "top1_below_tau", "other_below_tau", "suffix")
 
 
 class CommitRecorder:
-    """Wraps a commit rule and counts its candidates and commits (see the module docstring); every other attribute
-    is the wrapped rule's, so the engine sees the same rule. ``counts`` holds plain ints.
+    """A ``decode(..., on_step=...)`` observer that counts candidates and commits (see the module docstring) from
+    each :class:`~polestar.state.StepRecord`; ``counts`` holds plain ints.
 
-    Shapes as :class:`~polestar.stages.CommitRule`: ``pred.confidence [B, bl]`` (``-inf`` outside the masked
-    positions), ``masked [B, bl]``, the returned selection ``[B, bl]``; suffix commits ``[B, N]``.
+    ``tau``: the threshold τ of the confidence bins; ``lower``: the lower edge of the early-commit band. Shapes:
+    ``record.confidence``/``record.masked`` ``[B, bl]``; commit origins ``[B, bl]``; suffix commits ``[B, N]``.
     """
 
-    def __init__(self, rule: Any, threshold: float | None = None, lower: float | None = None):
-        self._rule = rule
-        cfg = rule.config
-        self.tau = float(threshold if threshold is not None else getattr(cfg, "threshold", 0.9))
-        self.lower = float(lower if lower is not None else getattr(cfg, "min_confidence", 0.7))
-        if not 0.5 <= self.lower <= self.tau:
-            raise ValueError(f"need 0.5 <= lower ({self.lower}) <= threshold ({self.tau})")
+    def __init__(self, tau: float = 0.9, lower: float = 0.7):
+        if not 0.5 <= lower <= tau:
+            raise ValueError(f"need 0.5 <= lower ({lower}) <= threshold ({tau})")
+        self.tau, self.lower = float(tau), float(lower)
         self.counts: Counter[str] = Counter()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._rule, name)
+    @classmethod
+    def for_rule(cls, rule: Any) -> CommitRecorder:
+        """Bins at the rule's ``threshold`` (0.9 when it has none) and ``min_confidence`` (0.7 when none)."""
+        cfg = rule.config
+        return cls(getattr(cfg, "threshold", 0.9), getattr(cfg, "min_confidence", 0.7))
 
-    def select(self, pred, masked: torch.Tensor, state) -> torch.Tensor:
-        chosen = self._rule.select(pred, masked, state)
-        conf = pred.confidence
-        live = masked & state.active[:, None]
-        rows = live.any(dim=1)
+    def __call__(self, record) -> None:
+        conf, live = record.confidence, record.masked
+        origins = record.origins
         c = self.counts
-        c["row_steps"] += int(rows.sum())
+        c["row_steps"] += int(live.any(dim=1).sum())
         c["candidates"] += int(live.sum())
         for label, lo, hi in zip(BIN_LABELS, (0.0, 0.5, self.lower, self.tau), (0.5, self.lower, self.tau, 2.0)):
             c[label] += int((live & (conf >= lo) & (conf < hi)).sum())
         top1 = torch.zeros_like(live).scatter_(1, conf.argmax(dim=1, keepdim=True), True) & live
-        # the engine commits the top-1 of a row the rule left without a commit
-        taken = (chosen & live) | (top1 & ~(chosen & live).any(dim=1, keepdim=True))
+        taken = origins.block & live
         below = taken & (conf < self.tau)
         c["confident"] += int((taken & (conf >= self.tau)).sum())
         c["top1_below_tau"] += int((below & top1).sum())
         c["other_below_tau"] += int((below & ~top1).sum())
-        if isinstance(self._rule, PolestarCommit):
-            self._count_gate(conf, live, state)
-        return chosen
-
-    def _count_gate(self, conf: torch.Tensor, live: torch.Tensor, state) -> None:
-        delta = state.extras.get("polestar_commit", {}).get("delta")
-        band = live & (conf > self.lower) & (conf < self.tau)
-        if delta is None or not bool(band.any()):
-            return
-        cfg = self._rule.config
-        gate = cfg.alpha * (cfg.threshold - conf).clamp_min(0.0) ** 2
-        self.counts["band_with_delta"] += int(band.sum())
-        self.counts["delta_passed_gate"] += int((band & (delta.double() >= gate) & (delta < cfg.delta_cap)).sum())
-
-    def suffix(self, state):
-        extra = self._rule.suffix(state)
-        if extra is not None:
-            self.counts["suffix"] += int(extra[2].sum())
-        return extra
+        if origins.gate_candidates is not None:  # Polestar-Commit's drift-delta gate was evaluated
+            c["band_with_delta"] += int(origins.gate_candidates.sum())
+            c["delta_passed_gate"] += int(origins.early.sum())
+        if origins.suffix is not None:
+            c["suffix"] += int(origins.suffix.commit.sum())
 
 
 def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
@@ -103,7 +86,7 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
     if batch_size < 1 or n < 1:
         raise ValueError("n and batch_size must be at least 1")
     task = get_task(task_name)
-    GenerationConfig(**{k: v for k, v in decoding.items() if k != "compile"})  # validate before any work
+    GenerationConfig(**{k: v for k, v in decoding.items() if k not in ("compile", "on_step")})  # validate first
     pipelines = {name: polestar.assemble(name, optional_overrides(options)) for name in policies}
     model = polestar.load(model_name, dtype=dtype, device=device)
     if getattr(model, "tokenizer", None) is None:
@@ -111,9 +94,8 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
     problems = load_problems(task_name, n, data)
     out: dict[str, dict[str, float]] = {}
     for name, pipeline in pipelines.items():
-        recorder = CommitRecorder(pipeline.commit)
-        wrapped = attrs.evolve(pipeline, stages={**pipeline.stages, "commit": recorder})
-        _, summary = run_policy(model, task, problems, wrapped, {}, decoding, batch_size)
+        recorder = CommitRecorder.for_rule(pipeline.commit)
+        _, summary = run_policy(model, task, problems, pipeline, {}, {**decoding, "on_step": recorder}, batch_size)
         row = {label: recorder.counts[label] for label in ("row_steps", "candidates", *BIN_LABELS, *COMMIT_LABELS)}
         if isinstance(pipeline.commit, PolestarCommit):
             row["band_with_delta"] = recorder.counts["band_with_delta"]

@@ -126,9 +126,9 @@ class DiffusionLM(nn.Module):
         same; otherwise the stored layer input, into which layer ``l-1``'s outputs were written first), writes
         their K/V (and stored input) into the cache, attends over every valid cached key, and applies the MLP.
 
-        ``hook`` (optional, a sparse-refresh controller) is called at each layer with
-        ``before_attention(layer, h, index)`` after the slots' K/V are written and before any query attends (it may
-        write more K/V), and ``after_layer(layer)`` once the layer's slots are done (it may recompute more rows).
+        ``hook`` (optional, a sparse-refresh controller, :class:`polestar.stages.LayerHook`) is called at each
+        layer with ``before_attention(layer, h, index)`` after the slots' K/V are written and before any query
+        attends (it may write more K/V and recompute more rows).
         """
         spec = self.spec
         trash = cache.trash
@@ -153,8 +153,6 @@ class DiffusionLM(nn.Module):
             h, probs = self._layer(layer, h, index, positions, cache, probe.rows if want_probe else None, hook)
             if want_probe:
                 probe_out = probs
-            if hook is not None:
-                hook.after_layer(layer)
             prev_index = index
         return PlanOutput(self.final_norm(h), probe_out)
 

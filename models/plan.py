@@ -33,13 +33,10 @@ class Plan(NamedTuple):
             return self.index[layer], self.valid[layer]
         return self.index, self.valid
 
-    @property
-    def capacity(self) -> int:
-        return self.index.shape[-1]
-
 
 class DecodeCache:
-    """K/V (and optionally layer-input hidden states) for every layer, allocated once per generation.
+    """K/V (and optionally layer-input hidden states) for every layer, allocated once per generation and never
+    reallocated (finished sequences stay in the batch, frozen), so its buffers keep static addresses.
 
     Shapes (``T`` = sequence length, one extra *trash slot* at index ``T`` absorbs writes of unused plan slots):
     ``k[l], v[l]``: ``[B, n_kv_heads, T + 1, head_dim]`` (keys stored after RoPE);
@@ -73,15 +70,6 @@ class DecodeCache:
     @property
     def batch_size(self) -> int:
         return self.key_valid.shape[0]
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows ``rows`` (LongTensor ``[B']``), e.g. dropping finished sequences."""
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
-        if self.hidden is not None:
-            self.hidden = [t.index_select(0, rows) for t in self.hidden]
-        self.key_valid = self.key_valid.index_select(0, rows)
-        self.positions = self.positions.index_select(0, rows)
 
 
 def full_plan(batch: int, length: int, device) -> Plan:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from polestar.models.text import chat_prompt_ids, decode_texts, encode_text
 from .config import GenerationConfig
 from .engine import decode
 from .policy import Pipeline, assemble
+from .state import StepRecord
 from .stats import RunStats, compile_seconds
 
 
@@ -53,6 +54,11 @@ class GenerationOutput:
     def generations(self) -> torch.Tensor:
         """``[B, gen_length]`` generated tokens."""
         return self.tokens[:, self.prompt_len :]
+
+    @property
+    def errors(self) -> list[str | None]:
+        """Per sequence: why it stopped early (non-finite logits), None when it decoded normally."""
+        return [seq.error for seq in self.stats.sequences]
 
 
 def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +127,7 @@ def generate(
     compile: bool = False,
     chat: bool = False,
     system: str | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
     **overrides: Any,
 ) -> GenerationOutput:
     """Decode ``prompts`` with ``policy``: a registered policy name (see ``polestar policies``) or a
@@ -133,7 +140,8 @@ def generate(
     CUDA); tokens are the same as eager, and the time spent compiling is reported as ``stats.compile_s`` and left
     out of ``stats.wall_s`` / ``stats.tps``. ``chat=True`` applies the checkpoint's chat template to string prompts
     (``system``: optional system turn). A sequence stops at EOS or at the chat format's end-of-turn token
-    (``model.text_defaults.stop_ids``). ``temperature`` None takes ``generation_config.json``'s value, else 0.
+    (``model.text_defaults.stop_ids``). ``temperature`` None takes ``generation_config.json``'s value, else 0. ``on_step`` receives a
+    :class:`~polestar.state.StepRecord` after every step (for tests and diagnostics such as ``polestar anatomy``).
     """
     defaults = getattr(model, "text_defaults", None)
     if temperature is None:
@@ -159,7 +167,7 @@ def generate(
         )
     stop_ids = defaults.stop_ids if defaults is not None else (model.spec.eos_id,)
     compiled_before = compile_seconds()
-    tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile, stop_ids=stop_ids)
+    tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile, stop_ids=stop_ids, on_step=on_step)
     if compile:  # report compile time apart: wall_s (and so tps) count decoding only
         spent = compile_seconds() - compiled_before
         stats = attrs.evolve(stats, compile_s=spent, wall_s=max(stats.wall_s - spent, 0.0))

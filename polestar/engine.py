@@ -1,18 +1,24 @@
-"""The block/step decoding loop: plain Python around one step (plan → forward → predict → commit)."""
+"""The block/step decoding loop: plain Python around one step (plan → forward → predict → commit).
+
+The step is fixed-shape (gpt-fast style): the batch and the cache keep their shape for the whole generation; a
+finished sequence is frozen through ``DecodeState.active`` (its plan slots are unused, it commits nothing and no
+compute is counted for it). The loop's termination check is the one host read per step.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from polestar.models.backbone import DiffusionLM
-from polestar.policies.commit_basic import transfer_counts
 
 from .config import GenerationConfig
 from .policy import Pipeline
 from .profiling import scope
-from .state import DecodeState, Prediction, propose
+from .schedule import transfer_counts
+from .state import CommitOrigins, DecodeState, Prediction, StepRecord, propose
 from .stats import RunStats, SequenceStats
 from .step import StepRunner
 
@@ -40,6 +46,19 @@ def eos_finished(gen: torch.Tensor, mask_id: int, stop_ids: int | torch.Tensor) 
     return finished, fill
 
 
+def forced_commits(transfer: torch.Tensor, masked: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+    """The engine's progress guarantee: in rows with masked positions where the rule chose nothing, the most
+    confident masked position. ``transfer, masked [B, bl]`` bool, ``confidence [B, bl]`` → ``[B, bl]`` bool."""
+    stalled = masked.any(dim=1) & ~transfer.any(dim=1)
+    best = torch.zeros_like(masked).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
+    return stalled[:, None] & best & masked
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [B, bl, V]`` → ``[B]`` bool: rows with a NaN or infinite logit (a broken model or input)."""
+    return ~torch.isfinite(logits).all(dim=2).all(dim=1)
+
+
 @torch.inference_mode()
 def decode(
     model: DiffusionLM,
@@ -49,6 +68,7 @@ def decode(
     config: GenerationConfig,
     compile: bool = False,
     stop_ids: tuple[int, ...] | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
 ) -> tuple[torch.Tensor, RunStats]:
     """Generate for left-padded ``prompt_ids [B, P]`` with ``attention_mask [B, P]``.
 
@@ -56,8 +76,10 @@ def decode(
     position is filled with EOS.
 
     Returns tokens ``[B, P + gen_length]`` and :class:`RunStats`. Each sequence finishes on its own (see
-    :class:`GenerationConfig.stop_at_eos`); finished sequences are dropped from the working batch at the next block
-    boundary and frozen (no compute counted) until then.
+    :class:`GenerationConfig.stop_at_eos`) and is then frozen: no token changes, no compute counted. A sequence
+    whose logits turn NaN or infinite stops at that step, commits nothing there, and carries the error in its
+    :class:`SequenceStats`; the other sequences are unaffected. ``on_step`` (optional) receives a
+    :class:`~polestar.state.StepRecord` after every step (it copies the tokens, so it costs host work).
     """
     spec = model.spec
     device = prompt_ids.device
@@ -74,9 +96,9 @@ def decode(
         eos_id=spec.eos_id, prompt_len=P, logit_shift=spec.logit_shift, n_layers=spec.n_layers, generator=generator,
         compile=compile,
     )
-    result = x.clone()
-    rows = torch.arange(B, device=device)
+    refresh_local, commit_local = refresh.init_state(state), commit.init_state(state)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    failed_at = torch.full((B,), -1, dtype=torch.long, device=device)  # step whose logits were non-finite
     nfe = torch.zeros(B, dtype=torch.long, device=device)
     evals = torch.zeros(B, dtype=torch.long, device=device)
     calls = 0
@@ -87,64 +109,81 @@ def decode(
     stops = torch.tensor(stop_ids or (spec.eos_id,), dtype=torch.long, device=device)
     start_time = time.perf_counter()
     for block in range(config.num_blocks):
-        if bool(finished.any()):
-            result[rows[finished]] = state.x[finished]
-            keep = (~finished).nonzero().squeeze(1)
-            rows, finished = rows[keep], finished[keep]
-            state.select_rows(keep)
-            cache.select_rows(keep)
-            if rows.numel() == 0:
-                break
         state.block_index, state.block_start, state.block_end = block, P + block * bl, P + (block + 1) * bl
         state.step = 0
         state.active = ~finished
         state.num_transfer = transfer_counts(state.block_masked(), config.steps_per_block)
         state.active = ~finished & state.block_masked().any(dim=1)
-        while bool(state.active.any()):
-            plan = refresh.plan(state, cache)
-            hook = refresh.hook(state, plan, cache, model)
+        state.last_commits = torch.zeros(B, dtype=torch.long, device=device)
+        state.packet = None
+        refresh.begin_block(refresh_local, state)
+        commit.begin_block(commit_local, state)
+        while bool(state.active.any()):  # the loop's termination check: the one host read per step
+            before = state.x.clone() if on_step is not None else None
+            plan = refresh.plan(state, cache, refresh_local)
+            hook = refresh.hook(state, plan, cache, model, refresh_local)
             probe = commit.probe(state, plan) or refresh.probe(state, plan)
             target = plan.target_offset + block_cols
             with scope("forward"):  # includes the selector's post-forward work (Polestar's block-start clustering)
-                logits, probs = runner(model, state.x, cache, plan, target[None, :].expand(state.batch_size, -1), probe, hook)
-                refresh.observe(state, plan, probs, cache)
+                logits, probs = runner(model, state.x, cache, plan, target[None, :].expand(B, -1), probe, hook)
+                refresh.observe(state, plan, probs, cache, refresh_local)
+            state.packet = hook.packet if hook is not None else None
             if probs is not None:
-                commit.observe_probe(state, probs)
+                commit.observe_probe(state, probs, commit_local)
+            stepped = state.active
+            broken = stepped & nonfinite_rows(logits)
+            failed_at = torch.where(broken, state.global_step, failed_at)
+            finished |= broken
+            state.active = stepped & ~broken  # a row with non-finite logits commits nothing from here on
             masked = state.block_masked()
             with scope("commit"):
                 pred = predict(logits, masked, config.temperature, generator, spec.mask_id)
-                transfer = commit.select(pred, masked, state) & masked
-            stalled = masked.any(dim=1) & ~transfer.any(dim=1)
-            best = torch.zeros_like(masked).scatter_(1, pred.confidence.argmax(dim=1, keepdim=True), True)
-            transfer |= stalled[:, None] & best & masked
-            state.extras["last_commits"] = transfer.sum(dim=1)
+                chosen = commit.select(pred, masked, state, commit_local)
+                transfer = chosen.commit & masked
+            forced = forced_commits(transfer, masked, pred.confidence)
+            rule_transfer, transfer = transfer, transfer | forced
+            state.last_commits = transfer.sum(dim=1)
             block_x = state.x[:, state.block_start : state.block_end]
             state.x[:, state.block_start : state.block_end] = torch.where(transfer, pred.tokens, block_x)
-            extra = commit.suffix(state)
+            extra = commit.suffix(state, commit_local)
             if extra is not None:
-                positions, tokens, take = extra
-                state.x.scatter_(1, positions, torch.where(take, tokens, state.x.gather(1, positions)))
+                keep = state.x.gather(1, extra.positions)
+                state.x.scatter_(1, extra.positions, torch.where(extra.commit, extra.tokens, keep))
             layers_valid = plan.valid.sum(dim=-1)
-            evals[rows] += layers_valid.sum(dim=0) if plan.per_layer else layers_valid * spec.n_layers
+            evals += layers_valid.sum(dim=0) if plan.per_layer else layers_valid * spec.n_layers
             if hook is not None:
-                evals[rows] += hook.evals
-            nfe[rows] += state.active.long()
+                evals += hook.evals
+            nfe += stepped.long()
             calls += 1
             if config.stop_at_eos:
                 done, fill = eos_finished(state.x[:, P:], spec.mask_id, stops)
                 state.x[:, P:] = state.x[:, P:].masked_fill(fill, spec.eos_id)
                 finished |= done
+            if on_step is not None:
+                origins = CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra)
+                on_step(StepRecord(
+                    state.global_step, block, state.step, state.block_start, state.block_end, plan, stepped, masked,
+                    pred.confidence, before, state.x.clone(), (before == spec.mask_id) & (state.x != spec.mask_id),
+                    origins,
+                ))
             state.step += 1
             state.global_step += 1
             state.active = ~finished & state.block_masked().any(dim=1)
-    result[rows] = state.x
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - start_time
-    gen = result[:, P:]
+    gen = state.x[:, P:]
     tokens = ((gen != spec.eos_id) & (gen != spec.mask_id)).sum(dim=1)
     seqs = tuple(
-        SequenceStats(int(n), int(t), int(e)) for n, t, e in zip(nfe.tolist(), tokens.tolist(), evals.tolist())
+        SequenceStats(int(n), int(t), int(e), _error_message(int(f)))
+        for n, t, e, f in zip(nfe.tolist(), tokens.tolist(), evals.tolist(), failed_at.tolist())
     )
     stats = RunStats(calls, int(tokens.sum()), wall, int(evals.sum()), seqs)
-    return result, stats
+    return state.x, stats
+
+
+def _error_message(failed_at: int) -> str | None:
+    if failed_at < 0:
+        return None
+    return (f"non-finite logits (NaN or inf) at decoding step {failed_at}; the sequence was stopped there and its "
+            "remaining positions hold the mask token. Check the model weights and dtype (float16 overflows).")

@@ -80,10 +80,13 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
     for kind in registry.KINDS:
         if kind in overrides:
             chosen[kind] = str(overrides.pop(kind))
+    _add_required(chosen)
+    for kind in registry.KINDS:
         if kind + "?" in overrides:  # an optional swap: only in a policy that has this stage
             name = str(overrides.pop(kind + "?"))
             if kind in chosen:
                 chosen[kind] = name
+    _add_required(chosen)
     options: dict[str, dict[str, Any]] = {
         kind: dict(spec.options.get(kind, {})) if chosen[kind] == spec.stages.get(kind) else {} for kind in chosen
     }
@@ -131,6 +134,15 @@ def check_option_rules(stage: Any) -> None:
     for holds, message in OPTION_RULES.get((stage.kind, stage.name), ()):
         if not holds(stage.config):
             raise ValueError(f"{stage.kind} stage {stage.name!r}: " + message.format(**attrs.asdict(stage.config)))
+def _add_required(chosen: dict[str, str]) -> None:
+    """Add, in place, the default stage of every kind a chosen stage requires and the policy lacks."""
+    pending = list(chosen.items())
+    while pending:
+        kind, name = pending.pop()
+        for need, default in registry.lookup(kind, name).requires.items():
+            if need not in chosen:
+                chosen[need] = default
+                pending.append((need, default))
 
 
 def _unknown_option(key: str, fields: dict[str, dict[str, Any]]) -> str:

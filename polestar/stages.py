@@ -1,21 +1,37 @@
-"""Base classes of the stage kinds the decoding loop calls every step."""
+"""Base classes of the stage kinds the decoding loop calls every step, and the stage lifecycle.
+
+Lifecycle (every stage kind): a stage is a frozen config plus pure methods and keeps no per-generation state on
+itself. At the start of a generation the engine calls ``init_state(state)`` and keeps the returned object (None
+for stateless stages); at each block start it calls ``begin_block(local, state)``; every per-step method of a
+refresh selector or commit rule receives that object as ``local``. What stages hand each other travels in typed
+fields of :class:`~polestar.state.DecodeState` (``last_commits``, ``packet``) or in typed return values
+(:class:`~polestar.state.CommitSelection`, :class:`~polestar.state.SuffixCommit`). So one assembled pipeline can
+decode several generations at once.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from polestar.models.backbone import AttentionProbe
 from polestar.models.plan import DecodeCache, Plan
 
-from .state import DecodeState, Prediction
+from .state import CommitSelection, DecodeState, Prediction, SuffixCommit, UpdatePacket
 
 
 class Stage:
-    """A pipeline stage: a frozen attrs ``Config`` plus per-generation state kept in ``DecodeState.extras``."""
+    """A pipeline stage: a frozen attrs ``Config`` and pure methods (see the module docstring for the lifecycle).
+
+    ``requires``: stage kinds this stage composes, each with the registered name :func:`polestar.assemble` adds
+    when a policy has no stage of that kind.
+    """
 
     kind: str
     name: str
     Config: type
+    requires: dict[str, str] = {}
 
     def __init__(self, config):
         self.config = config
@@ -23,8 +39,32 @@ class Stage:
     def bind(self, stages: dict) -> None:
         """Called once the pipeline is assembled with every stage by kind (for stages that compose others)."""
 
+    def init_state(self, state: DecodeState) -> Any:
+        """A fresh per-generation state object for this stage (default: None, a stateless stage)."""
+        return None
+
+    def begin_block(self, local: Any, state: DecodeState) -> None:
+        """Reset ``local`` (this stage's state object) at the start of block ``state.block_index``."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
+
+
+class LayerHook:
+    """A per-layer controller of one forward (sparse updates), made by a refresh selector for one step.
+
+    The backbone calls ``before_attention(layer, h [B, C, d], index [B, C])`` at each layer after the plan's K/V
+    are written and before any query attends. ``evals``: ``[B]`` long, extra positions computed (counted as
+    compute); ``packet``: the last layer's :class:`~polestar.state.UpdatePacket` when the selector produces one;
+    ``compilable``: False when the hook decides on the host (the step then runs eagerly).
+    """
+
+    compilable = True
+    packet: UpdatePacket | None = None
+    evals: torch.Tensor
+
+    def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:  # pragma: no cover
+        raise NotImplementedError
 
 
 class RefreshSelector(Stage):
@@ -35,42 +75,43 @@ class RefreshSelector(Stage):
 
     needs_hidden: bool = False
 
-    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:  # pragma: no cover - abstract
+    def plan(self, state: DecodeState, cache: DecodeCache, local: Any) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model):
-        """A per-layer controller for this step's forward (sparse updates), or None. It exposes
-        ``before_attention(layer, h, index)``, ``after_layer(layer)`` and ``evals`` (``[B]`` extra positions
-        computed)."""
+    def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: Any) -> LayerHook | None:
+        """A :class:`LayerHook` for this step's forward (sparse updates), or None."""
         return None
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:
         """Attention rows this selector wants from the forward (default: none)."""
         return None
 
-    def observe(self, state: DecodeState, plan: Plan, probe: torch.Tensor | None, cache: DecodeCache) -> None:
+    def observe(self, state: DecodeState, plan: Plan, probe: torch.Tensor | None, cache: DecodeCache,
+                local: Any) -> None:
         """Bookkeeping after the forward (drift histories, clusters); default: nothing."""
 
 
 class CommitRule(Stage):
     """Decides which masked tokens of the current block a step commits.
 
-    ``select(pred, masked, state)`` → ``[B, bl]`` bool. ``masked``: ``[B, bl]`` bool masked positions of active
-    rows. The engine commits only masked positions and guarantees at least one commit per active row.
+    ``select(pred, masked, state, local)`` → :class:`~polestar.state.CommitSelection` (``commit [B, bl]`` bool).
+    ``masked``: ``[B, bl]`` bool masked positions of active rows. The engine commits only masked positions and
+    guarantees at least one commit per active row.
     """
 
     wants_packet: bool = False
 
-    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:  # pragma: no cover
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState,
+               local: Any) -> CommitSelection:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:
         """Attention rows this rule wants from the forward (default: none)."""
         return None
 
-    def observe_probe(self, state: DecodeState, probs: torch.Tensor) -> None:
+    def observe_probe(self, state: DecodeState, probs: torch.Tensor, local: Any) -> None:
         """Receives the probed attention ``[B, H, R, T+1]`` before ``select``."""
 
-    def suffix(self, state: DecodeState):
-        """Commits outside the block: ``(positions [B, N], tokens [B, N], commit [B, N] bool)`` or None."""
+    def suffix(self, state: DecodeState, local: Any) -> SuffixCommit | None:
+        """Commits outside the block (:class:`~polestar.state.SuffixCommit`) or None."""
         return None

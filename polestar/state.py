@@ -1,4 +1,5 @@
-"""Decode state shared by the stages of one generation, and the per-step model prediction."""
+"""Decode state shared by the stages of one generation, the per-step model prediction and the typed records
+stages hand each other (update packet, commit selection, suffix commits) and the engine hands observers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import NamedTuple
 
 import attrs
 import torch
+
+from polestar.models.plan import Plan
 
 from .config import GenerationConfig
 
@@ -45,15 +48,98 @@ def propose(
     return tokens, conf
 
 
+class UpdatePacket(NamedTuple):
+    """The last layer's update packet of a sparse refresh, handed from the refresh selector to the commit rule.
+
+    ``positions``: ``[Nw]`` long window columns; ``valid``: ``[B, Nw]`` bool, the members recomputed this step;
+    ``logits``: ``[B, Nw, V]`` logits of those columns' refreshed last-layer outputs (Polestar, Lee et al. 2026).
+    """
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+    logits: torch.Tensor
+
+
+class CommitSelection(NamedTuple):
+    """What a commit rule chose for the current block, with the origin of its below-threshold commits.
+
+    ``commit``: ``[B, bl]`` bool, the rule's commits; ``early``: ``[B, bl]`` bool or None, commits admitted below
+    the rule's threshold by an adaptive criterion (Polestar-Commit's drift-delta gate); ``gate_candidates``:
+    ``[B, bl]`` bool or None, the masked positions that criterion was evaluated on (the confidence band, at steps
+    where a drift delta exists).
+    """
+
+    commit: torch.Tensor
+    early: torch.Tensor | None = None
+    gate_candidates: torch.Tensor | None = None
+
+
+class SuffixCommit(NamedTuple):
+    """Commits outside the current block: ``positions``, ``tokens``, ``confidence`` (float64) and ``commit``
+    (bool), each ``[B, N]``; only entries where ``commit`` is True are written."""
+
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    confidence: torch.Tensor
+    commit: torch.Tensor
+
+
+class CommitOrigins(NamedTuple):
+    """Where one step's commits came from. ``rule``: ``[B, bl]`` the commit rule's selection (masked positions
+    only); ``forced``: ``[B, bl]`` the engine's top-1 commit in rows the rule left without one; ``early`` and
+    ``gate_candidates``: as in :class:`CommitSelection`; ``suffix``: the rule's :class:`SuffixCommit` or None."""
+
+    rule: torch.Tensor
+    forced: torch.Tensor
+    early: torch.Tensor | None
+    gate_candidates: torch.Tensor | None
+    suffix: SuffixCommit | None
+
+    @property
+    def block(self) -> torch.Tensor:
+        """``[B, bl]`` bool: every commit inside the block."""
+        return self.rule | self.forced
+
+
+class StepRecord(NamedTuple):
+    """One decoding step, handed to ``decode(..., on_step=...)`` observers (tests, ``polestar anatomy``).
+
+    ``step``: index over the generation; ``block_index``/``block_step``: the block and the step inside it;
+    ``block_start``/``block_end``: the block's columns; ``plan``: the refresh plan the forward executed;
+    ``active``: ``[B]`` bool, rows that decoded at this step; ``masked``: ``[B, bl]`` bool, the block's masked
+    positions of those rows before the commit; ``confidence``: ``[B, bl]`` float64 (``-inf`` outside ``masked``);
+    ``tokens_before``/``tokens_after``: ``[B, T]`` (``tokens_after`` includes the EOS fill of finished rows);
+    ``committed``: ``[B, T]`` bool, positions that held the mask token before and not after;
+    ``origins``: :class:`CommitOrigins`.
+    """
+
+    step: int
+    block_index: int
+    block_step: int
+    block_start: int
+    block_end: int
+    plan: Plan
+    active: torch.Tensor
+    masked: torch.Tensor
+    confidence: torch.Tensor
+    tokens_before: torch.Tensor
+    tokens_after: torch.Tensor
+    committed: torch.Tensor
+    origins: CommitOrigins
+
+
 @attrs.define
 class DecodeState:
-    """Mutable state of one batched generation, read by refresh selectors and commit rules.
+    """Mutable state of one batched generation, owned by the engine and read by every stage.
 
-    ``x``: ``[B, T]`` tokens (prompt right-aligned, mask tokens in the generation region);
-    ``active``: ``[B]`` bool, rows that still decode in the current block;
-    ``block_start``/``block_end``: columns of the current block; ``step``: step index inside the block
-    (0 = the block's first forward); ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts
-    for the current block; ``extras``: per-stage tensors (drift histories, packets) keyed by stage name.
+    ``x``: ``[B, T]`` tokens (prompt right-aligned, mask tokens in the generation region); the batch keeps its
+    shape for the whole generation; ``active``: ``[B]`` bool, rows that still decode in the current block
+    (finished rows are frozen, never dropped); ``block_start``/``block_end``: columns of the current block;
+    ``step``: step index inside the block (0 = the block's first forward); ``global_step``: step index over the
+    generation; ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts for the current block.
+    Typed hand-offs between stages: ``last_commits`` ``[B]`` long, tokens committed per row by the previous step
+    (engine → refresh selectors); ``packet``: this step's :class:`UpdatePacket` or None (refresh selector's
+    forward hook → commit rule).
     """
 
     x: torch.Tensor
@@ -71,7 +157,8 @@ class DecodeState:
     step: int = 0
     global_step: int = 0
     num_transfer: torch.Tensor | None = None
-    extras: dict = attrs.field(factory=dict)
+    last_commits: torch.Tensor | None = None
+    packet: UpdatePacket | None = None
     compile: bool = False  # steps run through torch.compile; stages may compile their post-forward work too
 
     @property
@@ -86,22 +173,11 @@ class DecodeState:
     def block_length(self) -> int:
         return self.block_end - self.block_start
 
+    @property
+    def at_block_start(self) -> bool:
+        """True at the block's first forward (where the cached policies refresh everything)."""
+        return self.step == 0
+
     def block_masked(self) -> torch.Tensor:
         """``[B, bl]`` bool: mask tokens of the current block in active rows."""
         return (self.x[:, self.block_start : self.block_end] == self.mask_id) & self.active[:, None]
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.x = self.x.index_select(0, rows)
-        self.active = self.active.index_select(0, rows)
-        self.extras = {key: _select(value, rows) for key, value in self.extras.items()}
-
-
-def _select(value, rows):
-    """Batch-row selection through nested containers; per-stage extras keep the batch as dim 0."""
-    if isinstance(value, torch.Tensor):
-        return value.index_select(0, rows) if value.dim() > 0 else value
-    if isinstance(value, dict):
-        return {k: _select(v, rows) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_select(v, rows) for v in value)
-    return value

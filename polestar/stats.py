@@ -75,7 +75,7 @@ class RunStats:
             "token_layer_evals_per_token": self.token_layer_evals_per_token,
             "per_sequence": [
                 {"nfe": s.nfe, "tokens": s.tokens, "tpf": s.tpf, "token_layer_evals": s.token_layer_evals,
-                 "error": getattr(s, "error", None)}
+                 "error": s.error}
                 for s in self.sequences
             ],
         }

@@ -13,12 +13,11 @@ import attrs
 import torch
 from attrs import validators as v
 
-from polestar.kernels.drift import kl_drift
 from polestar.models.backbone import AttentionProbe
 from polestar.models.plan import Plan
 from polestar.registry import register
 from polestar.stages import CommitRule
-from polestar.state import DecodeState, Prediction, propose
+from polestar.state import CommitSelection, DecodeState, Prediction, SuffixCommit, propose
 
 from .commit_basic import _threshold_validator, rank_descending, threshold_transfer
 
@@ -26,8 +25,9 @@ from .commit_basic import _threshold_validator, rank_descending, threshold_trans
 @register("commit", "polestar")
 class PolestarCommit(CommitRule):
     """Polestar-Commit (Lee et al. 2026): Fast-dLLM's threshold rule (``threshold`` = τ_s, most confident always),
-    plus early commit of a masked block token whose drift delta (its last-layer attention KL between consecutive
-    steps, head-averaged, minus the mean of its last ``window`` drifts) satisfies
+    plus early commit of a masked block token whose drift delta (its last-layer attention drift between consecutive
+    steps, scored by the policy's ``drift`` stage -- KL by default --, minus the mean of its last ``window`` drifts)
+    satisfies
     ``alpha * (threshold − c)² ≤ delta < delta_cap`` for ``min_confidence < c < threshold``, plus suffix-block
     commit of masked positions after the block that the last layer's update packet refreshed, when their
     confidence ≥ ``threshold`` (positions shifted by one for Dream's shifted logits). ``alpha = inf`` disables the
@@ -43,56 +43,78 @@ class PolestarCommit(CommitRule):
         suffix_commit: bool = attrs.field(default=True, validator=v.instance_of(bool))
 
     wants_packet = True
+    requires = {"drift": "kl"}
+
+    def bind(self, stages: dict) -> None:
+        self.drift = stages["drift"]  # the policy's drift metric scores the block's attention change
+
+    def init_state(self, state: DecodeState) -> PolestarCommitState:
+        return PolestarCommitState()
+
+    def begin_block(self, local: PolestarCommitState, state: DecodeState) -> None:
+        local.attn = local.hist = local.delta = None
+        local.count = 0
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe:
         rows = plan.target_offset + torch.arange(state.block_length, device=state.x.device)
         return AttentionProbe(state.n_layers - 1, rows[None, :].expand(state.batch_size, -1))
 
-    def observe_probe(self, state: DecodeState, probs: torch.Tensor) -> None:
-        """Turn this step's attention rows ``[B, H, bl, T+1]`` into drift deltas ``[B, bl]`` (kept in extras)."""
-        ctx = state.extras.setdefault("polestar_commit", {})
-        if state.step == 0:
-            ctx.clear()
-        prev = ctx.get("attn")
-        ctx["attn"] = probs
+    def observe_probe(self, state: DecodeState, probs: torch.Tensor, local: PolestarCommitState) -> None:
+        """Turn this step's attention rows ``[B, H, bl, T+1]`` into drift deltas ``local.delta [B, bl]``."""
+        prev, local.attn = local.attn, probs
         if prev is None:
-            ctx["delta"] = None
+            local.delta = None
             return
-        drift = kl_drift(probs, prev).mean(dim=1)  # [B, bl]
-        hist, count = ctx.get("hist"), ctx.get("count", 0)
-        if count == 0:
+        drift = self.drift.score(probs, prev)  # [B, bl]
+        if local.count == 0:
             delta = drift
         else:
-            n = min(count, self.config.window)
-            delta = drift - hist[:, :n].mean(dim=1)
+            n = min(local.count, self.config.window)
+            delta = drift - local.hist[:, :n].mean(dim=1)
         w = self.config.window
-        hist = drift[:, None] if hist is None else torch.cat([drift[:, None], hist], dim=1)[:, :w]
-        ctx.update(hist=hist, count=count + 1, delta=delta)
+        local.hist = drift[:, None] if local.hist is None else torch.cat([drift[:, None], local.hist], dim=1)[:, :w]
+        local.count += 1
+        local.delta = delta
 
-    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState,
+               local: PolestarCommitState) -> CommitSelection:
         c = self.config
         transfer = threshold_transfer(pred.confidence, masked, c.threshold)
-        delta = state.extras.get("polestar_commit", {}).get("delta")
-        if delta is None or math.isinf(c.alpha):
-            return transfer
+        if local.delta is None:
+            return CommitSelection(transfer)
         conf = pred.confidence
+        band = masked & (conf > c.min_confidence) & (conf < c.threshold)
+        if math.isinf(c.alpha):
+            return CommitSelection(transfer, torch.zeros_like(band), band)
         gate = c.alpha * (c.threshold - conf).clamp_min(0.0) ** 2
-        band = (conf > c.min_confidence) & (conf < c.threshold)
-        early = masked & band & (delta.double() >= gate) & (delta < c.delta_cap)
-        return transfer | early
+        early = band & (local.delta.double() >= gate) & (local.delta < c.delta_cap)
+        return CommitSelection(transfer | early, early, band)
 
-    def suffix(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Suffix-block commits: ``(positions [B, N], tokens [B, N], commit [B, N])`` or None."""
-        packet = state.extras.pop("packet", None)
+    def suffix(self, state: DecodeState, local: PolestarCommitState) -> SuffixCommit | None:
+        """Suffix-block commits from this step's update packet (``[B, N]`` fields), or None."""
+        packet = state.packet
         if packet is None or not self.config.suffix_commit:
             return None
-        target = packet["positions"] + state.logit_shift
+        target = packet.positions + state.logit_shift
         inside = (target >= state.block_end) & (target < state.length)
         target = target.clamp(max=state.length - 1)[None, :].expand(state.batch_size, -1)
-        tokens, conf = propose(packet["logits"], state.mask_id)
+        tokens, conf = propose(packet.logits, state.mask_id)
         is_masked = state.x.gather(1, target) == state.mask_id
-        commit = packet["valid"] & inside[None, :] & is_masked & (conf >= self.config.threshold) & state.active[:, None]
-        return target, tokens, commit
+        commit = packet.valid & inside[None, :] & is_masked & (conf >= self.config.threshold) & state.active[:, None]
+        return SuffixCommit(target, tokens, conf, commit)
+
+
+@attrs.define
+class PolestarCommitState:
+    """Per-generation state of :class:`PolestarCommit`, reset at each block start: ``attn`` the previous step's
+    attention rows ``[B, H, bl, T+1]``, ``hist`` the last ``window`` drifts ``[B, <=window, bl]`` (newest first),
+    ``count`` drifts seen in this block, ``delta`` this step's drift delta ``[B, bl]`` (None at a block's first
+    step)."""
+
+    attn: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+    count: int = 0
+    delta: torch.Tensor | None = None
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -110,7 +132,7 @@ class EntropyBoundCommit(CommitRule):
     class Config:
         gamma: float = attrs.field(default=0.1, converter=float, validator=v.ge(0.0))
 
-    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         conf = pred.confidence.masked_fill(~masked, float("-inf"))
         order = conf.argsort(dim=1, descending=True, stable=True)
         ent = _entropy(pred.logits).masked_fill(~masked, 0.0).gather(1, order)
@@ -118,7 +140,7 @@ class EntropyBoundCommit(CommitRule):
         cmax = ent.cummax(dim=1).values
         ok = (csum - cmax) <= self.config.gamma
         count = ok.long().cumprod(dim=1).sum(dim=1).clamp_min(1)
-        return masked & (rank_descending(conf) < count[:, None])
+        return CommitSelection(masked & (rank_descending(conf) < count[:, None]))
 
 
 @register("commit", "klass")
@@ -133,14 +155,28 @@ class KLASSCommit(CommitRule):
         stable_steps: int = attrs.field(default=2, validator=v.ge(1))
         min_confidence: float = attrs.field(default=0.5, converter=float, validator=_threshold_validator)
 
-    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        ctx = state.extras.setdefault("klass", {})
+    def init_state(self, state: DecodeState) -> KLASSState:
+        return KLASSState()
+
+    def begin_block(self, local: KLASSState, state: DecodeState) -> None:
+        local.logp = local.streak = None
+
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local: KLASSState) -> CommitSelection:
         logp = torch.log_softmax(pred.logits.float(), dim=-1)
-        if state.step == 0 or "logp" not in ctx:
+        if local.logp is None:
             streak = torch.zeros_like(masked, dtype=torch.long)
         else:
-            kl = (logp.exp() * (logp - ctx["logp"])).sum(-1).clamp_min(0.0)
-            streak = torch.where(kl < self.config.kl_bound, ctx["streak"] + 1, 0)
-        ctx.update(logp=logp, streak=streak)
+            kl = (logp.exp() * (logp - local.logp)).sum(-1).clamp_min(0.0)
+            streak = torch.where(kl < self.config.kl_bound, local.streak + 1, 0)
+        local.logp, local.streak = logp, streak
         stable = (streak >= self.config.stable_steps) & (pred.confidence >= self.config.min_confidence)
-        return threshold_transfer(pred.confidence, masked, 2.0) | (masked & stable)
+        return CommitSelection(threshold_transfer(pred.confidence, masked, 2.0) | (masked & stable))
+
+
+@attrs.define
+class KLASSState:
+    """Per-generation state of :class:`KLASSCommit`, reset at each block start: the previous step's log-probs
+    ``logp [B, bl, V]`` and each position's count of consecutive stable steps ``streak [B, bl]``."""
+
+    logp: torch.Tensor | None = None
+    streak: torch.Tensor | None = None

@@ -7,25 +7,15 @@ import torch
 from attrs import validators as v
 
 from polestar.registry import register
+from polestar.schedule import transfer_counts  # noqa: F401  (LLaDA's schedule, kept importable from here)
 from polestar.stages import CommitRule
-from polestar.state import DecodeState, Prediction
+from polestar.state import CommitSelection, DecodeState, Prediction
 
 
 def rank_descending(scores: torch.Tensor) -> torch.Tensor:
     """Rank of every entry within its row, 0 = largest. ``scores [B, n]`` → long ``[B, n]``."""
     order = scores.argsort(dim=-1, descending=True, stable=True)
     return order.argsort(dim=-1)
-
-
-def transfer_counts(masked: torch.Tensor, steps: int) -> torch.Tensor:
-    """LLaDA's schedule: masked count of each row spread over ``steps`` steps, remainder first.
-
-    ``masked [B, bl]`` bool → long ``[B, steps]`` summing to each row's masked count.
-    """
-    total = masked.sum(dim=1, keepdim=True)
-    base, rem = total // steps, total % steps
-    step_idx = torch.arange(steps, device=masked.device)
-    return base + (step_idx[None, :] < rem).long()
 
 
 def _low_confidence(pred: Prediction, state: DecodeState) -> torch.Tensor:
@@ -50,11 +40,11 @@ class TopKCommit(CommitRule):
     class Config:
         remasking: str = attrs.field(default="low_confidence", validator=v.in_(tuple(_REMASKING)))
 
-    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         scores = _REMASKING[self.config.remasking](pred, state).masked_fill(~masked, float("-inf"))
         steps = state.num_transfer.shape[1]
         k = state.num_transfer[:, min(state.step, steps - 1)]
-        return rank_descending(scores) < k[:, None]
+        return CommitSelection(rank_descending(scores) < k[:, None])
 
 
 def _threshold_validator(_inst, attribute, value):
@@ -79,8 +69,8 @@ class ThresholdCommit(CommitRule):
     class Config:
         threshold: float = attrs.field(default=0.9, converter=float, validator=_threshold_validator)
 
-    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        return threshold_transfer(pred.confidence, masked, self.config.threshold)
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
+        return CommitSelection(threshold_transfer(pred.confidence, masked, self.config.threshold))
 
 
 @register("commit", "factor")
@@ -93,7 +83,7 @@ class FactorCommit(CommitRule):
     class Config:
         factor: float = attrs.field(default=1.0, converter=float, validator=[v.gt(0.0), v.le(100.0)])
 
-    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         conf = pred.confidence.masked_fill(~masked, float("-inf"))
         n_masked = masked.sum(dim=1)
         ordered = conf.sort(dim=1, descending=True).values
@@ -103,4 +93,4 @@ class FactorCommit(CommitRule):
         fails = (ordered < bound) & (rank[None, :] < n_masked[:, None])
         first_fail = torch.where(fails.any(dim=1), fails.long().argmax(dim=1), n_masked - 1)
         count = first_fail + ((first_fail == 0) | (first_fail == n_masked - 1)).long()
-        return masked & (rank_descending(conf) < count[:, None])
+        return CommitSelection(masked & (rank_descending(conf) < count[:, None]))

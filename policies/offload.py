@@ -59,6 +59,8 @@ class CPUOffload(Offloader):
         pin = torch.cuda.is_available()
 
         def to_cpu(t):
+            # a device-to-host copy, synchronous on CUDA: the price of keeping members off the device (paid at a
+            # block start and at each sparse update that rewrites members)
             t = t.detach().to("cpu", copy=True)
             return t.pin_memory() if pin else t
 

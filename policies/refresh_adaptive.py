@@ -24,46 +24,54 @@ from attrs import validators as v
 
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.registry import register
-from polestar.stages import RefreshSelector
+from polestar.stages import LayerHook, RefreshSelector
 from polestar.state import DecodeState
 
 from .refresh_basic import block_plan, block_start_plan
 
 
-class _PacketHook:
-    """Per-layer sparse update over candidate positions ``cand [B, N]`` using the cache's stored inputs."""
+class _PacketHook(LayerHook):
+    """Per-layer sparse update over candidate positions ``cand [B, N]`` using the cache's stored inputs;
+    ``pending`` holds the previous layer's outputs ``[B, N, d]`` and members ``[B, N]`` until the next layer."""
 
     def __init__(self, state: DecodeState, cache: DecodeCache, model, cand: torch.Tensor, cand_valid: torch.Tensor):
         self.state, self.cache, self.model = state, cache, model
         self.cand, self.cand_valid = cand, cand_valid
         self.rope_pos = cache.positions.gather(1, cand)
-        self.packet = None
+        self.pending = None
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
 
     def select(self, layer: int, inputs: torch.Tensor, h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover
 
     def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
+        self.apply_pending(layer)
+        self.recompute(layer, h, index)
+
+    def apply_pending(self, layer: int) -> None:
+        """Write the previous layer's member outputs as this layer's stored inputs and re-project their K/V."""
+        if self.pending is None:
+            return
         model, cache = self.model, self.cache
         stored = cache.hidden[layer]
-        d = stored.shape[-1]
-        if self.packet is not None:
-            out, members = self.packet
-            target = torch.where(members, self.cand, cache.trash)
-            stored.scatter_(1, target[..., None].expand(-1, -1, d), out)
-            k, v = model.layer_kv(layer, out, self.rope_pos)
-            model.write_kv(cache, layer, target, k, v)
-            self.evals += members.sum(-1)
-        inputs = stored.gather(1, self.cand[..., None].expand(-1, -1, d))
+        out, members = self.pending
+        target = torch.where(members, self.cand, cache.trash)
+        stored.scatter_(1, target[..., None].expand(-1, -1, stored.shape[-1]), out)
+        k, v = model.layer_kv(layer, out, self.rope_pos)
+        model.write_kv(cache, layer, target, k, v)
+        self.evals += members.sum(-1)
+
+    def recompute(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
+        """Run this layer for the members ``select`` picks; their outputs become ``pending``."""
+        model, cache = self.model, self.cache
+        stored = cache.hidden[layer]
+        inputs = stored.gather(1, self.cand[..., None].expand(-1, -1, stored.shape[-1]))
         if layer == 0:
             inputs = model.embed(self.state.x.gather(1, self.cand))
         members = self.select(layer, inputs, h, index) & self.cand_valid
         out, _ = model.layer_rows(layer, inputs, self.rope_pos, cache)
         self.evals += members.sum(-1)
-        self.packet = (out, members)
-
-    def after_layer(self, layer: int) -> None:
-        pass
+        self.pending = (out, members)
 
 
 def _outside_block(state: DecodeState, cache: DecodeCache, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,25 +93,38 @@ class ElasticRefresh(RefreshSelector):
 
     needs_hidden = True
 
-    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
-        if state.step == 0:
+    def init_state(self, state: DecodeState) -> ElasticState:
+        return ElasticState()
+
+    def begin_block(self, local: ElasticState, state: DecodeState) -> None:
+        local.tracked.clear()
+        local.prev.clear()
+
+    def plan(self, state: DecodeState, cache: DecodeCache, local: ElasticState) -> Plan:
+        if state.at_block_start:
             return block_start_plan(state)
         return block_plan(state)
 
-    def hook(self, state, plan, cache, model):
-        ctx = state.extras.setdefault("elastic", {})
-        if state.step == 0:
-            ctx.clear()
-            return _ElasticHook(self, state, cache, model, ctx, plan, build=True)
-        return _ElasticHook(self, state, cache, model, ctx, plan, build=False)
+    def hook(self, state, plan, cache, model, local: ElasticState):
+        # the block start's full forward picks the tracked keys (nothing tracked yet since ``begin_block``)
+        return _ElasticHook(self, state, cache, model, local, plan, build=not local.tracked)
+
+
+@attrs.define
+class ElasticState:
+    """Per-generation state of :class:`ElasticRefresh`, reset at each block start: per layer the tracked keys
+    ``tracked[l] [B, track_num]`` and their previous attention rows ``prev[l] [B, H, track_num, T+1]``."""
+
+    tracked: list = attrs.field(factory=list)
+    prev: dict = attrs.field(factory=dict)
 
 
 class _ElasticHook(_PacketHook):
     compilable = False  # the trigger decides on the host, layer by layer
-    def __init__(self, sel, state, cache, model, ctx, plan: Plan, build: bool):
+    def __init__(self, sel, state, cache, model, local: ElasticState, plan: Plan, build: bool):
         cand, valid = _outside_block(state, cache, 0)
         super().__init__(state, cache, model, cand, valid)
-        self.sel, self.ctx, self.build = sel, ctx, build
+        self.sel, self.local, self.build = sel, local, build
         self.triggered = torch.zeros(state.batch_size, dtype=torch.bool, device=state.x.device)
         self.block_slots = plan.target_offset
 
@@ -117,31 +138,32 @@ class _ElasticHook(_PacketHook):
         return mass
 
     def before_attention(self, layer, h, index):
-        model, cache, ctx = self.model, self.cache, self.ctx
+        model, cache, local = self.model, self.cache, self.local
         k = self.sel.config.track_num
         if self.build:  # block start (full plan: slot == position): pick tracked keys, record their rows
             mass = self._tracked_rows(layer, h, index)
             tracked = mass[:, : cache.length].topk(k, dim=1).indices
-            ctx.setdefault("tracked", []).append(tracked)
+            local.tracked.append(tracked)
             t_in = h.gather(1, tracked[..., None].expand(-1, -1, h.shape[-1]))
-            ctx.setdefault("prev", {})[layer] = model.query_probs(layer, t_in, cache.positions.gather(1, tracked), cache)
+            local.prev[layer] = model.query_probs(layer, t_in, cache.positions.gather(1, tracked), cache)
             return
-        tracked = ctx["tracked"][layer]
+        tracked = local.tracked[layer]
         d = cache.hidden[layer].shape[-1]
         t_in = cache.hidden[layer].gather(1, tracked[..., None].expand(-1, -1, d))
-        if self.packet is not None:
-            super().before_attention(layer, h, index)  # applies the packet and recomputes (members = triggered)
+        self.apply_pending(layer)  # rows triggered below this layer: their new inputs and K/V here
         t_pos = cache.positions.gather(1, tracked)
         now = model.query_probs(layer, t_in, t_pos, cache)
-        prev = ctx.setdefault("prev", {}).get(layer)
+        prev = local.prev.get(layer)
         if prev is not None:
             sim = F.cosine_similarity(now.flatten(2), prev.flatten(2), dim=-1).mean(dim=1)  # [B]
-            self.triggered |= sim < self.sel.config.gamma
-        ctx["prev"][layer] = now
-        if self.packet is None and bool(self.triggered.any()):
-            super().before_attention(layer, h, index)
+            self.triggered |= (sim < self.sel.config.gamma) & self.state.active
+        local.prev[layer] = now
+        # a row triggered here is recomputed from this layer upward, whatever the other rows do. Host read per
+        # layer until some row triggers (skips the recompute while none has); the hook is not compilable for it
+        if self.pending is not None or bool(self.triggered.any()):
+            self.recompute(layer, h, index)
         mass = self._tracked_rows(layer, h, index)
-        ctx["tracked"][layer] = mass[:, : cache.length].topk(k, dim=1).indices
+        local.tracked[layer] = mass[:, : cache.length].topk(k, dim=1).indices
 
     def select(self, layer, inputs, h, index):
         return self.triggered[:, None].expand_as(self.cand)
@@ -159,9 +181,9 @@ class DLLMCacheRefresh(RefreshSelector):
 
     needs_hidden = True
 
-    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
-        g = state.extras.setdefault("dllm_step", 0)
-        if state.step == 0 or g % self.config.prompt_interval == 0:
+    def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
+        g = state.global_step
+        if state.at_block_start or g % self.config.prompt_interval == 0:
             return block_start_plan(state)
         if g % self.config.response_interval == 0:
             lo = state.prompt_len - state.logit_shift
@@ -169,10 +191,9 @@ class DLLMCacheRefresh(RefreshSelector):
                              state.block_start - state.logit_shift - lo)
         return block_plan(state)
 
-    def hook(self, state, plan, cache, model):
-        g = state.extras["dllm_step"]
-        state.extras["dllm_step"] = g + 1
-        if state.step == 0 or g % self.config.prompt_interval == 0 or g % self.config.response_interval == 0:
+    def hook(self, state, plan, cache, model, local=None):
+        g = state.global_step
+        if state.at_block_start or g % self.config.prompt_interval == 0 or g % self.config.response_interval == 0:
             return None
         cand, valid = _outside_block(state, cache, state.prompt_len)
         if cand.shape[1] == 0:

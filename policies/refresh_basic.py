@@ -22,7 +22,7 @@ def block_start_plan(state: DecodeState) -> Plan:
 
 
 def _full_refresh_due(state: DecodeState, interval: int) -> bool:
-    return state.step == 0 or (interval > 0 and state.step % interval == 0)
+    return state.at_block_start or (interval > 0 and state.step % interval == 0)
 
 
 def block_plan(state: DecodeState) -> Plan:
@@ -39,7 +39,7 @@ class FullRefresh(RefreshSelector):
     class Config:
         pass
 
-    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
+    def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
         return block_start_plan(state)
 
 
@@ -57,7 +57,7 @@ class PrefixRefresh(RefreshSelector):
 
         refresh_interval: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
-    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
+    def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
         if _full_refresh_due(state, self.config.refresh_interval):
             return block_start_plan(state)
         return span_plan(state.batch_size, state.block_start - state.logit_shift, state.length, state.x.device, state.active)
@@ -77,7 +77,7 @@ class DualRefresh(RefreshSelector):
 
         refresh_interval: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
-    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
+    def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
         if _full_refresh_due(state, self.config.refresh_interval):
             return block_start_plan(state)
         return block_plan(state)

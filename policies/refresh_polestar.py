@@ -9,13 +9,18 @@ most drifting clusters of a layer (``topk_last`` at the last layer) are recomput
 outputs (the update packet) overwrite their stored inputs and K/V at the next layer; centroids shift by their
 members' change. Updates run when the previous step committed more than ``tau_upd`` tokens or more than
 ``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the refreshed
-positions (``state.extras["packet"]``: ``positions [Nw]``, ``valid [B, Nw]``, ``logits [B, Nw, V]``).
+positions (``LayerHook.packet``, an :class:`~polestar.state.UpdatePacket`: ``positions [Nw]``, ``valid [B, Nw]``,
+``logits [B, Nw, V]``), which the engine hands to the commit rule as ``DecodeState.packet``. Per-generation state
+(window, member store, clusters, proxy distributions) lives in a :class:`PolestarRefreshState` reset at each
+block start.
 
 Shapes: window ``Nw = (prefix_blocks + suffix_blocks) * block_length`` columns; centroids ``[B, K, d]``; proxy
 distributions ``[B, H, K, T + 1]``; drift ``[B, K]``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import attrs
 import torch
@@ -25,8 +30,8 @@ from polestar.kernels.kmeans import init_keys
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
 from polestar.registry import register
-from polestar.stages import RefreshSelector
-from polestar.state import DecodeState
+from polestar.stages import LayerHook, RefreshSelector
+from polestar.state import DecodeState, UpdatePacket
 from polestar.streams import SideStream
 
 from .refresh_basic import block_plan, block_start_plan
@@ -67,28 +72,25 @@ class PolestarRefresh(RefreshSelector):
         window_refresh_every: int = attrs.field(default=4, validator=v.ge(0))
 
     needs_hidden = False
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.drift = self.clusterer = self.quant = self.offload = None
-        self.packet_logits = False
-        self._window: Window | None = None
-        self._store: MemberStore | None = None
-        self._side: SideStream | None = None
-        self._build: _BuildHook | None = None  # this block start's hook, finished by ``observe``
-        self._compiled_store = None  # ``_store_layers`` compiled, for generations with ``compile=True``
+    requires = {"drift": "kl", "cluster": "kmeans", "quant": "nvfp4", "offload": "none"}
 
     def bind(self, stages: dict) -> None:
-        missing = [k for k in ("drift", "cluster", "quant", "offload") if k not in stages]
-        if missing:
-            raise ValueError(f"refresh 'polestar' needs stages {missing}; add them to the policy")
         self.drift, self.clusterer = stages["drift"], stages["cluster"]
         self.quant, self.offload = stages["quant"], stages["offload"]
         self.packet_logits = bool(getattr(stages.get("commit"), "wants_packet", False))
 
+    def init_state(self, state: DecodeState) -> PolestarRefreshState:
+        return PolestarRefreshState(SideStream(state.x.device))
+
+    def begin_block(self, local: PolestarRefreshState, state: DecodeState) -> None:
+        local.window = local.store = local.build = None
+        local.since = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
+        for clusters in local.per_layer():
+            clusters.clear()
+
     # -- plan -----------------------------------------------------------------------------------------------
-    def plan(self, state: DecodeState, cache: DecodeCache) -> Plan:
-        if state.step > 0:
+    def plan(self, state: DecodeState, cache: DecodeCache, local: PolestarRefreshState) -> Plan:
+        if not state.at_block_start:
             return block_plan(state)
         every = self.config.window_refresh_every
         if every and state.block_index % every == every - 1:
@@ -99,44 +101,69 @@ class PolestarRefresh(RefreshSelector):
                              state.block_start - state.logit_shift - lo)
         return block_start_plan(state)
 
-    def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model):
-        ctx = state.extras.setdefault("polestar", {})
-        if state.step == 0:
+    def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: PolestarRefreshState):
+        if local.window is None:  # the block's first forward (``begin_block`` cleared the window): build
             bl = state.block_length
-            window = make_window(state.block_start, state.block_end, state.logit_shift,
-                                 self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
-            ctx.clear()
-            state.extras.pop("packet", None)
-            ctx["since"] = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
-            self._window = window
-            if window.size == 0:
+            local.window = make_window(state.block_start, state.block_end, state.logit_shift,
+                                       self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
+            if local.window.size == 0:
                 return None
-            self._store = MemberStore(self.quant, self.offload, model.spec.n_layers, state.x.device, model.dtype)
-            if self._side is None:
-                self._side = SideStream(state.x.device)
+            local.store = MemberStore(self.quant, self.offload, model.spec.n_layers, state.x.device, model.dtype)
             plan_start = state.block_start - state.logit_shift - plan.target_offset
-            self._build = _BuildHook(self, state, plan_start, cache, model, ctx)
-            return self._build
-        window: Window = self._window
-        if window.size == 0 or "centroids" not in ctx:
+            local.build = _BuildHook(self, state, plan_start, cache, model, local)
+            return local.build
+        if local.window.size == 0 or not local.centroids:
             return None
         # the block start's side-stream work must finish before this step writes K/V or reads the clusters
-        self._side.join(*[t for key in ("centroids", "labels", "counts", "centroid_pos", "prev") for t in ctx[key]])
-        last = state.extras.get("last_commits", torch.zeros_like(ctx["since"]))
+        local.side.join(*[t for clusters in local.per_layer() for t in clusters])
+        last = state.last_commits
         tau = self.config.tau_upd
-        due = state.active & ((last > tau) | (ctx["since"] + last > tau + 1))
-        ctx["since"] = torch.where(due, 0, ctx["since"] + last)
+        due = state.active & ((last > tau) | (local.since + last > tau + 1))
+        local.since = torch.where(due, 0, local.since + last)
         if not bool(due.any()):  # one host read per step, skipping the sparse update entirely when no row is due
             return None
-        return _UpdateHook(self, state, cache, model, ctx, due)
+        return _UpdateHook(self, state, cache, model, local, due)
 
-    def observe(self, state: DecodeState, plan: Plan, probe, cache: DecodeCache) -> None:
-        if self._build is not None:
-            self._build.finish()
-            self._build = None
+    def observe(self, state: DecodeState, plan: Plan, probe, cache: DecodeCache, local: PolestarRefreshState) -> None:
+        if local.build is not None:
+            local.build.finish()
+            local.build = None
 
 
-class _BuildHook:
+@attrs.define
+class PolestarRefreshState:
+    """Per-generation state of :class:`PolestarRefresh`; everything but ``side`` is reset at each block start.
+
+    ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window` (None until the
+    block's first forward); ``store``: its :class:`MemberStore`; ``build``: the block start's hook until
+    ``observe`` finishes it; ``since``: ``[B]`` tokens committed since each row's last update; per layer ``l``:
+    ``centroids[l] [B, K, d]``, ``labels[l] [B, Nw]`` (-1 invalid), ``counts[l] [B, K]``,
+    ``centroid_pos[l] [B, K]`` and the last update's proxy distributions ``prev[l] [B, H, K, T+1]``.
+    """
+
+    side: SideStream
+    window: Window | None = None
+    store: MemberStore | None = None
+    build: _BuildHook | None = None
+    since: torch.Tensor | None = None
+    centroids: list = attrs.field(factory=list)
+    labels: list = attrs.field(factory=list)
+    counts: list = attrs.field(factory=list)
+    centroid_pos: list = attrs.field(factory=list)
+    prev: list = attrs.field(factory=list)
+
+    def per_layer(self) -> tuple[list, ...]:
+        """The per-layer lists (centroids, labels, counts, centroid_pos, prev)."""
+        return self.centroids, self.labels, self.counts, self.centroid_pos, self.prev
+
+
+@functools.cache
+def _compiled_store_layers():
+    """``_store_layers`` through ``torch.compile`` (made once per process, for generations with ``compile=True``)."""
+    return torch.compile(_store_layers, fullgraph=True)
+
+
+class _BuildHook(LayerHook):
     """Block start: capture each layer's window inputs during the forward; cluster, store and score them after it.
 
     ``before_attention`` only gathers the window rows of the layer input (so the block-start forward compiles like
@@ -150,9 +177,9 @@ class _BuildHook:
     minutes to build on 2 busy cores and then failed at run time in the stable sort of the reseed step
     (``UnboundLocalError`` in the generated code)."""
 
-    def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, ctx):
-        self.sel, self.state, self.cache, self.model, self.ctx = sel, state, cache, model, ctx
-        window: Window = sel._window
+    def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, local: PolestarRefreshState):
+        self.sel, self.state, self.cache, self.model, self.local = sel, state, cache, model, local
+        window: Window = local.window
         self.slots = (window.positions - plan_start)[None, :].expand(state.batch_size, -1)
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
         n_pre = window.n_prefix
@@ -167,8 +194,6 @@ class _BuildHook:
                     drawn.append(init_keys(state.batch_size, hi - lo, state.generator, state.x.device))
         self.keys = [torch.cat(drawn) if drawn else None for drawn in per_part]
         self.inputs: list = [None] * model.spec.n_layers
-        for key in ("centroids", "labels", "counts", "centroid_pos", "prev"):
-            ctx[key] = []
 
     def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
         self.inputs[layer] = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
@@ -176,21 +201,16 @@ class _BuildHook:
     def finish(self) -> None:
         """Cluster every layer's window inputs in one batched call per window part (groups = layers x rows), then
         store and score each layer. Consumed only by the next step: issued on the side stream on CUDA."""
-        sel = self.sel
-        with sel._side.run(*self.inputs, *self.cache.k):
+        with self.local.side.run(*self.inputs, *self.cache.k):
             clusters = self._cluster_layers(torch.stack(self.inputs))
-            store = _store_layers
-            if self.state.compile:
-                if sel._compiled_store is None:
-                    sel._compiled_store = torch.compile(_store_layers, fullgraph=True)
-                store = sel._compiled_store
+            store = _compiled_store_layers() if self.state.compile else _store_layers
             store(self, self.inputs, *clusters)
 
     def _cluster_layers(self, hw: torch.Tensor):
         """``hw [L, B, Nw, d]`` → ``centroids [L, B, K, d]``, ``labels [L, B, Nw]`` (window-wide cluster ids, -1
         invalid), ``counts [L, B, K]``; the prefix and suffix parts are clustered separately."""
         L, B, _, d = hw.shape
-        valid = self.sel._window.valid
+        valid = self.local.window.valid
         out, offset = [], 0
         for (lo, hi, k), keys in zip(self.parts, self.keys):
             x = hw[:, :, lo:hi].reshape(L * B, hi - lo, d).float()
@@ -202,24 +222,21 @@ class _BuildHook:
                 torch.cat([p[2] for p in out], dim=2))
 
     def _store_layer(self, layer: int, hw: torch.Tensor, centroids, labels, counts) -> None:
-        ctx, sel = self.ctx, self.sel
-        window = sel._window
+        local = self.local
+        window = local.window
         k_total = centroids.shape[1]
         onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_total).float() * (labels >= 0)[..., None].float()
         pos = self.cache.positions.index_select(1, window.positions).float()
         centroid_pos = (torch.einsum("bnk,bn->bk", onehot, pos) / counts.clamp_min(1)).round().long()
         anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, hw.shape[-1]))
         with scope("store"):
-            sel._store.put(layer, hw, anchor)
-        ctx["centroids"].append(centroids)
-        ctx["labels"].append(labels)
-        ctx["counts"].append(counts)
-        ctx["centroid_pos"].append(centroid_pos)
+            local.store.put(layer, hw, anchor)
+        local.centroids.append(centroids)
+        local.labels.append(labels)
+        local.counts.append(counts)
+        local.centroid_pos.append(centroid_pos)
         with scope("proxy_attention"):
-            ctx["prev"].append(self.model.proxy_attention(layer, centroids, self.cache, centroid_pos))
-
-    def after_layer(self, layer: int) -> None:
-        pass
+            local.prev.append(self.model.proxy_attention(layer, centroids, self.cache, centroid_pos))
 
 
 def _store_layers(hook: _BuildHook, inputs: list, centroids, labels, counts) -> None:
@@ -229,12 +246,12 @@ def _store_layers(hook: _BuildHook, inputs: list, centroids, labels, counts) -> 
         hook._store_layer(layer, hw, centroids[layer], labels[layer], counts[layer])
 
 
-class _UpdateHook:
+class _UpdateHook(LayerHook):
     """Sparse update step: packet K/V at each layer, proxy drift, top-k clusters, member recompute."""
 
-    def __init__(self, sel: PolestarRefresh, state, cache, model, ctx, due: torch.Tensor):
-        self.sel, self.state, self.cache, self.model, self.ctx, self.due = sel, state, cache, model, ctx, due
-        window: Window = sel._window
+    def __init__(self, sel: PolestarRefresh, state, cache, model, local: PolestarRefreshState, due: torch.Tensor):
+        self.sel, self.state, self.cache, self.model, self.local, self.due = sel, state, cache, model, local, due
+        window: Window = local.window
         B = state.batch_size
         self.window = window
         self.index = window.positions[None, :].expand(B, -1)
@@ -244,46 +261,39 @@ class _UpdateHook:
         self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
 
     def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        model, cache, ctx, sel = self.model, self.cache, self.ctx, self.sel
+        model, cache, local, sel = self.model, self.cache, self.local, self.sel
         trash = cache.trash
         if self.packet_h is not None:  # the previous layer's packet: new inputs here, re-project their K/V
             k, v = model.layer_kv(layer, self.packet_h, self.rope_pos)
             model.write_kv(cache, layer, torch.where(self.packet_valid, self.index, trash), k, v)
             self.evals += self.packet_valid.sum(-1)
             with scope("store"):
-                old = sel._store.update(layer, self.packet_valid, self.packet_h)
-            labels = ctx["labels"][layer]
-            k_clusters = ctx["centroids"][layer].shape[1]
+                old = local.store.update(layer, self.packet_valid, self.packet_h)
+            labels = local.labels[layer]
+            k_clusters = local.centroids[layer].shape[1]
             onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype)
             onehot = onehot * (self.packet_valid & (labels >= 0))[..., None].to(old.dtype)
             delta = torch.einsum("bnk,bnd->bkd", onehot, self.packet_h.to(old.dtype) - old)
-            counts = ctx["counts"][layer].clamp_min(1)[..., None].to(old.dtype)
-            ctx["centroids"][layer] = ctx["centroids"][layer] + delta / counts
+            counts = local.counts[layer].clamp_min(1)[..., None].to(old.dtype)
+            local.centroids[layer] = local.centroids[layer] + delta / counts
         with scope("proxy_attention"):
-            cur = model.proxy_attention(layer, ctx["centroids"][layer], cache, ctx["centroid_pos"][layer])
+            cur = model.proxy_attention(layer, local.centroids[layer], cache, local.centroid_pos[layer])
         with scope("drift"):
-            drift = sel.drift.score(cur, ctx["prev"][layer])
-        ctx["prev"][layer] = torch.where(self.due[:, None, None, None], cur, ctx["prev"][layer])
+            drift = sel.drift.score(cur, local.prev[layer])
+        local.prev[layer] = torch.where(self.due[:, None, None, None], cur, local.prev[layer])
         n_layers = model.spec.n_layers
         k = sel.config.topk_last if layer == n_layers - 1 else sel.config.topk
-        top = top_clusters(drift, ctx["counts"][layer], k)
-        labels = ctx["labels"][layer]
+        top = top_clusters(drift, local.counts[layer], k)
+        labels = local.labels[layer]
         members = self.window.valid & (labels >= 0) & top.gather(1, labels.clamp_min(0)) & self.due[:, None]
         if layer == 0:
             inputs = model.embed(self.state.x.index_select(1, self.window.positions))
         else:
             with scope("store"):
-                inputs = sel._store.get(layer)
+                inputs = local.store.get(layer)
         with scope("packet"):
             out, _ = model.layer_rows(layer, inputs, self.rope_pos, cache)
         self.evals += members.sum(-1)
         self.packet_h, self.packet_valid = out, members
         if layer == n_layers - 1 and sel.packet_logits:
-            self.state.extras["packet"] = {
-                "positions": self.window.positions,
-                "valid": members,
-                "logits": model.head(model.final_norm(out)),
-            }
-
-    def after_layer(self, layer: int) -> None:
-        pass
+            self.packet = UpdatePacket(self.window.positions, members, model.head(model.final_norm(out)))

@@ -5,6 +5,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import polestar
+from polestar.bench.harness import load_problems
+from polestar.bench.tasks import get_task
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4]]
@@ -31,3 +33,31 @@ def test_compiled_generation_matches_eager_without_graph_breaks(small_model):
     before = counters["stats"]["unique_graphs"]
     polestar.generate(small_model, PROMPTS, policy="polestar", compile=True, **kw)
     assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.fixture(scope="module")
+def finishing_rows():
+    """The shipped tiny-llada and two arith prompts whose rows finish (EOS) in different blocks of 8."""
+    model = polestar.load("tiny-llada")
+    task = get_task("arith")
+    prompts = [task.format_prompt(p.input) for p in load_problems("arith", 2)]
+    return model, prompts
+
+
+def test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_and_equals_eager(finishing_rows):
+    model, prompts = finishing_rows
+    kw = dict(policy="parallel", gen_length=48, block_length=8, stop_at_eos=True)
+    records = []
+    eager = polestar.generate(model, prompts, on_step=records.append, **kw)
+    last_block = [max(r.block_index for r in records if r.active[i]) for i in range(len(prompts))]
+    assert len(set(last_block)) == len(prompts) and max(last_block) < 5  # rows stop early, in different blocks
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = polestar.generate(model, prompts, compile=True, **kw)
+    assert compiled.tokens.tolist() == eager.tokens.tolist()
+    assert compiled.stats.sequences == eager.stats.sequences
+    assert counters["stats"]["unique_graphs"] == 1  # one plan shape: a single graph, no recompile as rows finish
+    assert dict(counters["graph_break"]) == {}
+    swapped = polestar.generate(model, prompts[::-1], compile=True, **kw)  # the rows finish in swapped order
+    assert swapped.tokens.tolist() == eager.tokens.flip(0).tolist()
+    assert counters["stats"]["unique_graphs"] == 1

@@ -54,16 +54,6 @@ def test_batch_of_mixed_lengths_equals_single(family, policy):
         assert batch.stats.sequences[i].nfe == single.stats.sequences[0].nfe
 
 
-def test_committed_tokens_never_change_and_every_step_commits(model):
-    """Drive the engine with a commit rule that records the block before and after each step."""
-    out = polestar.generate(model, PROMPT, policy="fast-dllm", gen_length=16, block_length=8, threshold=0.99)
-    gen = out.generations[0]
-    assert (gen != model.spec.mask_id).all()
-    seq = out.stats.sequences[0]
-    assert seq.nfe <= 16
-    assert out.stats.token_layer_evals > 0
-
-
 def test_eos_finishes_a_sequence_and_stops_compute():
     m = make_model("llada", seed=4)
     with torch.no_grad():  # make EOS overwhelmingly likely everywhere
