@@ -1,5 +1,5 @@
 """Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``,
-``polestar anatomy``."""
+``polestar anatomy``, ``polestar lm-eval``."""
 
 from __future__ import annotations
 
@@ -178,10 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--policy-a", help="compare only this policy of A ... (needs --policy-b)")
     a.add_argument("--policy-b", help="... with this policy of B")
     a.set_defaults(func=cmd_agree)
+    # `polestar lm-eval ...` is dispatched in main() before this parser: every argument goes to lm-eval untouched
+    sub.add_parser("lm-eval", add_help=False,
+                   help="lm-evaluation-harness with the polestar model registered (takes lm-eval's arguments, "
+                        "plus --preset table1)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:
+        from polestar.evaluation.cli import run_lm_eval
+
+        try:
+            return run_lm_eval(argv[1:])
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,300 @@
+"""The lm-evaluation-harness model ``polestar``: any Polestar policy on any LLaDA / Dream checkpoint.
+
+Importing this module registers the class with lm-eval (``--model polestar``); ``polestar lm-eval`` does that
+before handing its arguments to lm-eval's own command line. Model arguments (``--model_args k=v,k=v``):
+
+* ``pretrained`` (required): checkpoint directory or shipped name (``tiny-llada``);
+* ``policy`` (``polestar``), ``gen_length``, ``block_length``, ``steps``, ``threshold``, ``temperature``,
+  ``seed``, ``stop_at_eos``, ``compile``: as in :func:`polestar.generate`;
+* ``dtype`` (``bfloat16`` on CUDA, else ``float32``), ``device`` (``cuda`` when available, else ``cpu``);
+* ``preset``: an :mod:`~polestar.evaluation.presets` name (``table1``) that sets block length, threshold and the
+  per-task generation length (explicit arguments win);
+* ``batch_size``: prompts decoded together; ``mc_num`` / ``mc_batch_size`` / ``cfg`` / ``is_check_greedy``:
+  the Monte-Carlo log-likelihood (:mod:`~polestar.evaluation.loglikelihood`);
+* stage options and swaps: ``set.KEY=VALUE`` (``set.commit=factor``, ``set.refresh.refresh_interval=2``), the
+  same keys as ``polestar bench --set``.
+
+The generation length of a request is ``gen_length`` when given, else the preset's length for the request's
+task, else the request's ``max_gen_toks`` rounded up to a block multiple, else 256; the answer is cut at the
+first EOS, at ``max_gen_toks`` tokens and at the first ``until`` string. Under ``torchrun`` / ``accelerate
+launch`` the model joins the process group and exposes ``rank`` / ``world_size``, so lm-eval shards requests
+and gathers metrics through :meth:`PolestarLM.gather_object`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+import polestar
+from polestar.config import GenerationConfig
+
+from . import distributed
+from .counters import DecodingCounters
+from .loglikelihood import greedy_matches, masked_bound
+from .presets import get_preset
+
+log = logging.getLogger(__name__)
+
+#: Model-argument prefix of stage options and swaps (``set.threshold=0.8`` → ``threshold=0.8``).
+STAGE_PREFIX = "set."
+
+#: The most recently built model of this process (``polestar lm-eval`` reads its counters after the run).
+LAST_MODEL: PolestarLM | None = None
+
+
+def _as_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"model argument {name} must be true or false, got {value!r}")
+
+
+def _as_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"model argument {name} must be an integer, got {value!r} "
+                         f"(batch_size=auto is not supported: give a number)") from None
+
+
+# -- tokenizer access: the one place that knows the tokenizer's interface ------------------------------------
+def _encode(tok, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (transformers or ``tokenizers`` tokenizer)."""
+    enc = tok.encode(text, add_special_tokens=False)
+    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+
+
+def _decode(tok, ids: list[int]) -> str:
+    """Text of ``ids`` with special tokens dropped."""
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def _chat_template_of(tok) -> str | None:
+    """The tokenizer's chat template (transformers tokenizers carry one), or None."""
+    return getattr(tok, "chat_template", None)
+
+
+@register_model("polestar")
+class PolestarLM(LM):
+    """lm-eval model that decodes with a Polestar policy (see the module docstring for its arguments)."""
+
+    def __init__(self, pretrained: str | None = None, policy: str = "polestar", gen_length: int | None = None,
+                 block_length: int | None = None, steps: int | None = None, threshold: float | None = None,
+                 temperature: float = 0.0, seed: int = 0, stop_at_eos: bool = True, dtype: str | None = None,
+                 device: str | None = None, compile: bool = False, preset: str | None = None,
+                 batch_size: int | str = 1, max_batch_size: int | None = None, mc_num: int = 128,
+                 mc_batch_size: int = 32, cfg: float = 0.0, is_check_greedy: bool = False, **extra: Any) -> None:
+        super().__init__()
+        if not pretrained:
+            raise ValueError("model argument pretrained is required: --model_args pretrained=DIR_OR_SHIPPED_NAME")
+        unknown = sorted(k for k in extra if not k.startswith(STAGE_PREFIX))
+        if unknown:
+            raise ValueError(f"unknown model arguments {unknown}; stage options go as {STAGE_PREFIX}KEY=VALUE "
+                             f"(e.g. {STAGE_PREFIX}commit.threshold=0.8)")
+        self.overrides = {k[len(STAGE_PREFIX):]: v for k, v in extra.items()}
+        self.preset = get_preset(preset) if preset else None
+        self.policy = str(policy)
+        self.gen_length = _as_int(gen_length, "gen_length")
+        self.block_length = _as_int(block_length, "block_length") or (self.preset.block_length if self.preset else 32)
+        self.steps = _as_int(steps, "steps")
+        if threshold is None and self.preset is not None:
+            threshold = self.preset.threshold
+        self.threshold = None if threshold is None else float(threshold)
+        self.temperature = float(temperature)
+        self.seed = int(seed)
+        self.stop_at_eos = _as_bool(stop_at_eos, "stop_at_eos")
+        self.compile = _as_bool(compile, "compile")
+        self.batch_size = _as_int(batch_size, "batch_size")
+        self.mc_num = _as_int(mc_num, "mc_num")
+        self.mc_batch_size = min(_as_int(mc_batch_size, "mc_batch_size"), self.mc_num)
+        self.cfg = float(cfg)
+        self.is_check_greedy = _as_bool(is_check_greedy, "is_check_greedy")
+        if self.batch_size < 1 or self.mc_num < 1:
+            raise ValueError(f"batch_size and mc_num must be positive, got {self.batch_size} and {self.mc_num}")
+        if self.mc_num % self.mc_batch_size:
+            raise ValueError(f"mc_num ({self.mc_num}) must be a multiple of mc_batch_size ({self.mc_batch_size})")
+        # fail on a bad policy, stage option or block layout before loading anything
+        polestar.assemble(self.policy, self._stage_overrides())
+        GenerationConfig(self.gen_length or self.block_length, self.block_length, self.steps, self.temperature,
+                         self.seed, self.stop_at_eos)
+        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            if device is not None:  # lm-eval's command line passes --device cuda by default
+                log.warning("device %s requested but CUDA is not available; using cpu", device)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._rank, self._world_size = distributed.init_from_env(device)
+        self._device = distributed.local_device(device)
+        dtype = dtype or ("bfloat16" if self._device.type == "cuda" else "float32")
+        self.pretrained = str(pretrained)
+        self.model = polestar.load(self.pretrained, dtype=dtype, device=self._device)
+        self.tokenizer = getattr(self.model, "tokenizer", None)
+        if self.tokenizer is None:
+            raise ValueError(f"checkpoint {pretrained} has no tokenizer; lm-eval needs one to turn text into ids")
+        self.counters = DecodingCounters()
+        global LAST_MODEL
+        LAST_MODEL = self
+
+    # -- settings -------------------------------------------------------------------------------------------
+    def _stage_overrides(self) -> dict[str, Any]:
+        out = dict(self.overrides)
+        if self.threshold is not None:
+            out.setdefault("threshold?", self.threshold)
+        return out
+
+    def generation_length(self, task: str | None, max_gen_toks: int | None) -> int:
+        """Generation length (tokens) of a request of lm-eval task ``task`` (see the module docstring)."""
+        if self.gen_length is not None:
+            return self.gen_length
+        if self.preset is not None:
+            return self.preset.gen_length(task)
+        if max_gen_toks:
+            return self.block_length * math.ceil(int(max_gen_toks) / self.block_length)
+        return 256
+
+    # -- lm-eval interface ---------------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Decode each request's context; requests with the same generation length are batched in order."""
+        plans = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            kwargs = dict(gen_kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen_toks = kwargs.pop("max_gen_toks", None)
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else self.temperature
+            length = self.generation_length(getattr(req, "task_name", None), max_gen_toks)
+            plans.append((context, until, max_gen_toks, length, temperature))
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, _, _, length, temperature) in enumerate(plans):
+            groups.setdefault((length, temperature), []).append(i)
+        for (length, temperature), members in groups.items():
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start : start + self.batch_size]
+                gens = self._generate([plans[i][0] for i in chunk], length, temperature)
+                for i, gen in zip(chunk, gens):
+                    results[i] = self._finish(gen, plans[i][1], plans[i][2])
+                    if hasattr(self, "cache_hook"):
+                        self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
+        return results
+
+    def _generate(self, contexts: list[str], length: int, temperature: float) -> list[list[int]]:
+        """Decode a batch of contexts → generated ids per row, cut at the first EOS."""
+        limit = self.model.spec.max_seq_len - length
+        if limit < 1:
+            raise ValueError(f"generation length {length} leaves no room for a prompt in the model's context "
+                             f"({self.model.spec.max_seq_len}); lower gen_length")
+        prompts = []
+        for text in contexts:
+            ids = _encode(self.tokenizer, text)
+            if len(ids) > limit:
+                log.warning("context of %d tokens cut to its last %d to fit the model's context", len(ids), limit)
+                ids = ids[-limit:]
+            prompts.append(ids)
+        steps = self.steps if self.steps is not None else length
+        out = polestar.generate(self.model, prompts, policy=self.policy, gen_length=length,
+                                block_length=self.block_length, steps=steps, temperature=temperature,
+                                seed=self.seed, stop_at_eos=self.stop_at_eos, compile=self.compile,
+                                **self._stage_overrides())
+        self.counters.add(out.stats)
+        eos = self.model.spec.eos_id
+        rows = []
+        for row in out.generations.tolist():
+            rows.append(row[: row.index(eos)] if eos in row else row)
+        return rows
+
+    def _finish(self, ids: list[int], until: list[str], max_gen_toks: int | None) -> str:
+        if max_gen_toks:
+            ids = ids[: int(max_gen_toks)]
+        text = _decode(self.tokenizer, ids)
+        for stop in until:
+            if stop:
+                text = text.split(stop, 1)[0]
+        return text
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``(log p(continuation | context), is_greedy)`` per request: LLaDA's Monte-Carlo masked-token bound with
+        ``mc_num`` maskings (seeded from ``seed`` and the request text, so a request scores the same on any rank
+        and in any order); ``is_greedy`` is checked only with ``is_check_greedy=true`` (else False)."""
+        out = []
+        limit = self.model.spec.max_seq_len
+        for req in requests:
+            context, continuation = req.args
+            prefix, target = _encode(self.tokenizer, context), _encode(self.tokenizer, continuation)
+            if len(target) >= limit:
+                raise ValueError(f"continuation of {len(target)} tokens does not fit the model's context ({limit})")
+            prefix = prefix[-(limit - len(target)) :]
+            key = zlib.crc32(f"{context}\x00{continuation}".encode())
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
+            ll = masked_bound(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.cfg, gen)
+            self.counters.loglikelihood_forwards += self.mc_num // self.mc_batch_size * (2 if self.cfg > 0 else 1)
+            greedy = greedy_matches(self.model, prefix, target, self.cfg) if self.is_check_greedy else False
+            out.append((ll, greedy))
+            if hasattr(self, "cache_hook"):
+                self.cache_hook.add_partial("loglikelihood", req.args, out[-1])
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Not available: a masked diffusion LM has no left-to-right token probabilities to roll over a text."""
+        raise NotImplementedError(
+            "loglikelihood_rolling (perplexity tasks such as wikitext) is not supported by the polestar model: a "
+            "masked diffusion LM gives no left-to-right token probabilities; use generate_until or "
+            "multiple-choice (loglikelihood) tasks")
+
+    # -- chat templates --------------------------------------------------------------------------------------
+    @property
+    def tokenizer_name(self) -> str:
+        """The checkpoint name, used by lm-eval to key its request cache."""
+        return self.pretrained.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The tokenizer's chat template (None when chat templating is off)."""
+        if not chat_template:
+            return None
+        template = _chat_template_of(self.tokenizer)
+        if template is None:
+            raise ValueError(f"the tokenizer of {self.pretrained} has no chat template; drop "
+                             "--apply_chat_template or use a checkpoint whose tokenizer_config.json has one")
+        return template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render lm-eval's messages with the tokenizer's chat template (``--apply_chat_template``)."""
+        self.chat_template(True)
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    # -- data parallelism ------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked (0-d) or concatenated along dim 0, in rank order."""
+        if not distributed.is_distributed():
+            return tensor[None] if tensor.dim() == 0 else tensor
+        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
+        torch.distributed.all_gather(parts, tensor)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank ``dst``; None elsewhere."""
+        objs = distributed.all_gather_objects(obj)
+        return objs if self._rank == dst else None
+
+    def barrier(self) -> None:
+        distributed.barrier()
+
+    def total_counters(self) -> DecodingCounters:
+        """This run's counters summed over ranks (a collective call under a process group)."""
+        return DecodingCounters.total(distributed.all_gather_objects(self.counters))
