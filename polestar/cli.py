@@ -58,7 +58,8 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--task", default="arith")
     p.add_argument("--policies", default=policies)
-    p.add_argument("--n", type=int, default=n)
+    p.add_argument("--n", "--num-problems", dest="n", type=int, default=n,
+                   help="number of problems (write --num-problems under torchrun, whose parser takes --n for its own)")
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(b, "baseline,parallel,fast-dllm", n=200, batch_size=1)
     b.add_argument("--plot", default=None, metavar="OUT.png")
     b.add_argument("--profile", action="store_true", help="report the share of step time per stage")
+    b.add_argument("--resume", action="store_true",
+                   help="reuse the finished items of an interrupted run with the same settings (kept beside --json "
+                        "in OUT.items.jsonl)")
     _add_decoding_args(b)
     b.set_defaults(func=cmd_bench)
     an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")

@@ -51,6 +51,11 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
     if not is_distributed():
@@ -70,3 +75,9 @@ def shard(count: int, rank: int, world_size: int) -> list[int]:
     """Indices ``0..count-1`` this rank owns: ``rank, rank + world_size, ...`` (round robin, so shards differ in
     length by at most one)."""
     return list(range(rank, count, world_size))
+
+
+def shutdown() -> None:
+    """Leave the process group, if one is running (end of a ``torchrun`` command)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
