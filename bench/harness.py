@@ -274,6 +274,8 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     """``polestar bench``: check the output paths, run, then (rank 0) print the table and write JSON / plot."""
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     resume = getattr(args, "resume", False)
+    if resume and not args.json_out:
+        raise ValueError("--resume needs --json OUT.json (the finished items are kept beside it)")
     check_writable([args.json_out, args.plot, items_path(args.json_out) if args.json_out else None])
     try:
         result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
