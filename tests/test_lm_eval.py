@@ -10,6 +10,7 @@ from lm_eval.api.instance import Instance
 
 import polestar
 from polestar.bench.harness import run_bench
+from polestar.bench.tasks import get_task
 from polestar.evaluation import lm_eval_model
 from polestar.evaluation.cli import run_lm_eval
 from polestar.evaluation.lm_eval_model import PolestarLM
@@ -105,7 +106,7 @@ def _gen(prompt, **kwargs):
 
 
 def test_until_and_max_gen_toks(lm):
-    prompt = polestar.bench.tasks.get_task("arith").format_prompt("3+4*2-5")
+    prompt = get_task("arith").format_prompt("3+4*2-5")
     full, cut, short = lm.generate_until([_gen(prompt, until=[]), _gen(prompt, until=[","]),
                                           _gen(prompt, until=[], max_gen_toks=3)])
     assert "," in full
@@ -114,7 +115,7 @@ def test_until_and_max_gen_toks(lm):
 
 
 def test_stage_overrides_reach_the_pipeline():
-    prompt = polestar.bench.tasks.get_task("arith").format_prompt("7*3-2+8")
+    prompt = get_task("arith").format_prompt("7*3-2+8")
     lm = PolestarLM.create_from_arg_string(
         "pretrained=tiny-llada,policy=fast-dllm,gen_length=64,block_length=16,set.commit=factor,set.factor=2.0",
         {"device": "cpu"})
