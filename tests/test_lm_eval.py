@@ -147,3 +147,40 @@ def test_rolling_loglikelihood_is_refused(lm):
 def test_single_process_rank(lm):
     assert (lm.rank, lm.world_size) == (0, 1)
     assert lm.gather_object({"a": 1}) == [{"a": 1}]
+
+
+@pytest.mark.parametrize("task", ["arith", "sudoku", "countdown"])
+def test_task_files_score_with_the_task_checker(task, tmp_path):
+    from polestar.bench.harness import load_problems
+    from polestar.evaluation.tasks import process_results
+
+    paths = write_task_dir(tmp_path, task, n=6, choices=3)
+    assert sorted(paths) == [f"polestar_{task}", f"polestar_{task}_choice"]
+    assert all(p.is_file() for p in paths.values())
+    records = [json.loads(line) for line in (tmp_path / f"polestar_{task}.jsonl").read_text().splitlines()]
+    assert [r["input"] for r in records] == [p.input for p in load_problems(task, 6)]  # bench's problems
+    for r in records:
+        assert r["prompt"] == get_task(task).format_prompt(r["input"])
+        assert process_results(r, [r["output"]]) == {"acc": 1.0}
+        assert process_results(r, ["<|endoftext|>"]) == {"acc": 0.0}
+        assert len(r["choices"]) == 3 and r["choices"][r["gold"]] == r["output"]
+    with pytest.raises(ValueError, match="choices must be between 2 and n"):
+        write_task_dir(tmp_path, task, n=2, choices=4)
+
+
+def test_import_polestar_does_not_import_lm_eval():
+    import subprocess
+    import sys
+
+    code = "import sys, polestar, polestar.cli, polestar.bench.harness, polestar.evaluation.tasks; " \
+           "print('lm_eval' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_chat_template_missing_is_a_clear_error(lm):
+    assert lm.tokenizer_name == "tiny-llada"
+    if getattr(lm.tokenizer, "chat_template", None) is None:
+        with pytest.raises(ValueError, match="no chat template"):
+            lm.apply_chat_template([{"role": "user", "content": "3+4"}])
+        assert lm.chat_template(False) is None

@@ -135,7 +135,11 @@ def run_lm_eval(argv: list[str]) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     argv = expand_arguments(argv)
-    from . import lm_eval_model  # noqa: F401  (registers --model polestar)
+    try:
+        from . import lm_eval_model  # noqa: F401  (registers --model polestar)
+    except ImportError as err:
+        raise ValueError(f"polestar lm-eval needs lm-evaluation-harness ({err}); install it with "
+                         "pip install -e '.[eval]'") from None
 
     _run_harness(argv)
     write_counters(argv)
