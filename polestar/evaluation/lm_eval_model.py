@@ -11,12 +11,15 @@ before handing its arguments to lm-eval's own command line. Model arguments (``-
   per-task generation length (explicit arguments win);
 * ``batch_size``: prompts decoded together; ``mc_num`` / ``mc_batch_size`` / ``cfg`` / ``is_check_greedy``:
   the Monte-Carlo log-likelihood (:mod:`~polestar.evaluation.loglikelihood`);
+* ``add_special_tokens``: whether contexts get the tokenizer's special tokens (LLaDA's BOS); by default yes, as
+  :func:`polestar.generate` and LLaDA's evaluation do, except after ``--apply_chat_template`` (the template
+  writes them);
 * stage options and swaps: ``set.KEY=VALUE`` (``set.commit=factor``, ``set.refresh.refresh_interval=2``), the
   same keys as ``polestar bench --set``.
 
 The generation length of a request is ``gen_length`` when given, else the preset's length for the request's
 task, else the request's ``max_gen_toks`` rounded up to a block multiple, else 256; the answer is cut at the
-first EOS, at ``max_gen_toks`` tokens and at the first ``until`` string. Under ``torchrun`` / ``accelerate
+first stop token (EOS or the chat format's end-of-turn), at ``max_gen_toks`` tokens and at the first ``until`` string. Under ``torchrun`` / ``accelerate
 launch`` the model joins the process group and exposes ``rank`` / ``world_size``, so lm-eval shards requests
 and gathers metrics through :meth:`PolestarLM.gather_object`.
 """
@@ -70,15 +73,21 @@ def _as_int(value: Any, name: str) -> int | None:
 
 
 # -- tokenizer access: the one place that knows the tokenizer's interface ------------------------------------
-def _encode(tok, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (transformers or ``tokenizers`` tokenizer)."""
-    enc = tok.encode(text, add_special_tokens=False)
+def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of ``text`` (transformers or ``tokenizers`` tokenizer)."""
+    enc = tok.encode(text, add_special_tokens=add_special_tokens)
     return list(enc.ids) if hasattr(enc, "ids") else list(enc)
 
 
 def _decode(tok, ids: list[int]) -> str:
     """Text of ``ids`` with special tokens dropped."""
     return tok.decode(ids, skip_special_tokens=True)
+
+
+def _stop_ids(model) -> tuple[int, ...]:
+    """Token ids that end a generation: the checkpoint's stop tokens (EOS, end-of-turn) when known, else EOS."""
+    defaults = getattr(model, "text_defaults", None)
+    return tuple(defaults.stop_ids) if defaults is not None else (model.spec.eos_id,)
 
 
 def _chat_template_of(tok) -> str | None:
@@ -95,7 +104,8 @@ class PolestarLM(LM):
                  temperature: float = 0.0, seed: int = 0, stop_at_eos: bool = True, dtype: str | None = None,
                  device: str | None = None, compile: bool = False, preset: str | None = None,
                  batch_size: int | str = 1, max_batch_size: int | None = None, mc_num: int = 128,
-                 mc_batch_size: int = 32, cfg: float = 0.0, is_check_greedy: bool = False, **extra: Any) -> None:
+                 mc_batch_size: int = 32, cfg: float = 0.0, is_check_greedy: bool = False,
+                 add_special_tokens: bool | None = None, **extra: Any) -> None:
         super().__init__()
         if not pretrained:
             raise ValueError("model argument pretrained is required: --model_args pretrained=DIR_OR_SHIPPED_NAME")
@@ -121,6 +131,9 @@ class PolestarLM(LM):
         self.mc_batch_size = min(_as_int(mc_batch_size, "mc_batch_size"), self.mc_num)
         self.cfg = float(cfg)
         self.is_check_greedy = _as_bool(is_check_greedy, "is_check_greedy")
+        self.add_special_tokens = None if add_special_tokens is None else _as_bool(add_special_tokens,
+                                                                                   "add_special_tokens")
+        self._chat_applied = False
         if self.batch_size < 1 or self.mc_num < 1:
             raise ValueError(f"batch_size and mc_num must be positive, got {self.batch_size} and {self.mc_num}")
         if self.mc_num % self.mc_batch_size:
@@ -146,6 +159,13 @@ class PolestarLM(LM):
         LAST_MODEL = self
 
     # -- settings -------------------------------------------------------------------------------------------
+    def _ids(self, text: str) -> list[int]:
+        """Token ids of a context or continuation. Special tokens (LLaDA's BOS) are added as
+        :func:`polestar.generate` and LLaDA's evaluation add them, except after a chat template (which writes them
+        itself) or when ``add_special_tokens`` says otherwise."""
+        special = self.add_special_tokens if self.add_special_tokens is not None else not self._chat_applied
+        return _encode(self.tokenizer, text, special)
+
     def _stage_overrides(self) -> dict[str, Any]:
         out = dict(self.overrides)
         if self.threshold is not None:
@@ -190,14 +210,14 @@ class PolestarLM(LM):
         return results
 
     def _generate(self, contexts: list[str], length: int, temperature: float) -> list[list[int]]:
-        """Decode a batch of contexts → generated ids per row, cut at the first EOS."""
+        """Decode a batch of contexts → generated ids per row, cut at the first stop token (EOS, end-of-turn)."""
         limit = self.model.spec.max_seq_len - length
         if limit < 1:
             raise ValueError(f"generation length {length} leaves no room for a prompt in the model's context "
                              f"({self.model.spec.max_seq_len}); lower gen_length")
         prompts = []
         for text in contexts:
-            ids = _encode(self.tokenizer, text)
+            ids = self._ids(text)
             if len(ids) > limit:
                 log.warning("context of %d tokens cut to its last %d to fit the model's context", len(ids), limit)
                 ids = ids[-limit:]
@@ -208,10 +228,11 @@ class PolestarLM(LM):
                                 seed=self.seed, stop_at_eos=self.stop_at_eos, compile=self.compile,
                                 **self._stage_overrides())
         self.counters.add(out.stats)
-        eos = self.model.spec.eos_id
+        stops = set(_stop_ids(self.model))
         rows = []
         for row in out.generations.tolist():
-            rows.append(row[: row.index(eos)] if eos in row else row)
+            cut = next((i for i, t in enumerate(row) if t in stops), len(row))
+            rows.append(row[:cut])
         return rows
 
     def _finish(self, ids: list[int], until: list[str], max_gen_toks: int | None) -> str:
@@ -231,7 +252,8 @@ class PolestarLM(LM):
         limit = self.model.spec.max_seq_len
         for req in requests:
             context, continuation = req.args
-            prefix, target = _encode(self.tokenizer, context), _encode(self.tokenizer, continuation)
+            prefix = self._ids(context)
+            target = _encode(self.tokenizer, continuation, False)
             if len(target) >= limit:
                 raise ValueError(f"continuation of {len(target)} tokens does not fit the model's context ({limit})")
             prefix = prefix[-(limit - len(target)) :]
@@ -271,6 +293,7 @@ class PolestarLM(LM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render lm-eval's messages with the tokenizer's chat template (``--apply_chat_template``)."""
         self.chat_template(True)
+        self._chat_applied = True
         return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
