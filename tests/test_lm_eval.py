@@ -133,7 +133,7 @@ def test_bad_arguments_fail_before_loading():
         PolestarLM(policy="parallel")
     with pytest.raises(ValueError, match=r"unknown model arguments \['topk'\].*set\."):
         PolestarLM(pretrained="tiny-llada", topk=2)
-    with pytest.raises(ValueError, match="batch_size=auto"):
+    with pytest.raises(ValueError, match="batch_size auto"):
         PolestarLM(pretrained="tiny-llada", batch_size="auto")
     with pytest.raises(ValueError, match="multiple of block_length"):
         PolestarLM(pretrained="tiny-llada", gen_length=60, block_length=16)
@@ -184,3 +184,17 @@ def test_chat_template_missing_is_a_clear_error(lm):
         with pytest.raises(ValueError, match="no chat template"):
             lm.apply_chat_template([{"role": "user", "content": "3+4"}])
         assert lm.chat_template(False) is None
+
+
+def test_model_args_are_converted_and_checked():
+    from polestar.evaluation.lm_eval_model import ModelArgs
+
+    args, stage = ModelArgs.parse({"pretrained": "d", "gen_length": "64", "compile": "false", "cfg": "0.5",
+                                   "set.refresh.topk": 2})
+    assert (args.gen_length, args.compile, args.cfg, stage) == (64, False, 0.5, {"refresh.topk": 2})
+    with pytest.raises(ValueError, match="model argument steps: expected an integer, got 'many'"):
+        ModelArgs.parse({"pretrained": "d", "steps": "many"})
+    with pytest.raises(ValueError, match="mc_num .* multiple of mc_batch_size"):
+        ModelArgs.parse({"pretrained": "d", "mc_num": 48, "mc_batch_size": 32})
+    with pytest.raises(ValueError, match="unknown evaluation preset"):
+        ModelArgs.parse({"pretrained": "d", "preset": "table9"})

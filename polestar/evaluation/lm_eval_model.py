@@ -31,7 +31,9 @@ import math
 import zlib
 from typing import Any
 
+import attrs
 import torch
+from attrs import validators as v
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -52,24 +54,99 @@ STAGE_PREFIX = "set."
 LAST_MODEL: PolestarLM | None = None
 
 
-def _as_bool(value: Any, name: str) -> bool:
+def _to_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         return value.lower() in ("true", "1")
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise ValueError(f"model argument {name} must be true or false, got {value!r}")
+    raise ValueError(f"expected true or false, got {value!r}")
 
 
-def _as_int(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
+def _to_int(value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"model argument {name} must be an integer, got {value!r} "
-                         f"(batch_size=auto is not supported: give a number)") from None
+        raise ValueError(f"expected an integer, got {value!r}") from None
+
+
+def _optional(convert):
+    return lambda value: None if value is None else convert(value)
+
+
+def _nonempty(_inst, attribute, value):
+    if not value:
+        raise ValueError(f"model argument {attribute.name} is required: --model_args pretrained=DIR_OR_SHIPPED_NAME")
+
+
+_positive = v.gt(0)
+
+
+def _progress(total: int, desc: str, disable: bool):
+    """A tqdm bar over ``total`` requests (None when disabled or tqdm is missing)."""
+    if disable:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - lm-eval installs tqdm
+        return None
+    return tqdm(total=total, desc=desc, unit="request")
+
+
+@attrs.frozen
+class ModelArgs:
+    """The ``--model_args`` of the ``polestar`` lm-eval model (less the ``set.`` stage options), converted from
+    lm-eval's strings and validated (see the module docstring for their meaning)."""
+
+    pretrained: str = attrs.field(default=None, validator=_nonempty)
+    policy: str = attrs.field(default="polestar", converter=str)
+    gen_length: int | None = attrs.field(default=None, converter=_optional(_to_int), validator=v.optional(_positive))
+    block_length: int | None = attrs.field(default=None, converter=_optional(_to_int), validator=v.optional(_positive))
+    steps: int | None = attrs.field(default=None, converter=_optional(_to_int), validator=v.optional(_positive))
+    threshold: float | None = attrs.field(default=None, converter=_optional(float))
+    temperature: float = attrs.field(default=0.0, converter=float, validator=v.ge(0.0))
+    seed: int = attrs.field(default=0, converter=_to_int)
+    stop_at_eos: bool = attrs.field(default=True, converter=_to_bool)
+    dtype: str | None = attrs.field(default=None, validator=v.optional(v.in_(("float32", "bfloat16", "float16"))))
+    device: str | None = attrs.field(default=None, converter=_optional(str))
+    compile: bool = attrs.field(default=False, converter=_to_bool)
+    preset: str | None = attrs.field(default=None)
+    batch_size: int = attrs.field(default=1, converter=_to_int, validator=_positive)
+    max_batch_size: int | None = None  # lm-eval passes it; batches are batch_size
+    mc_num: int = attrs.field(default=128, converter=_to_int, validator=_positive)
+    mc_batch_size: int = attrs.field(default=32, converter=_to_int, validator=_positive)
+    cfg: float = attrs.field(default=0.0, converter=float, validator=v.ge(0.0))
+    is_check_greedy: bool = attrs.field(default=False, converter=_to_bool)
+    add_special_tokens: bool | None = attrs.field(default=None, converter=_optional(_to_bool))
+
+    def __attrs_post_init__(self):
+        if self.mc_num % min(self.mc_batch_size, self.mc_num):
+            raise ValueError(f"mc_num ({self.mc_num}) must be a multiple of mc_batch_size ({self.mc_batch_size})")
+        if self.preset is not None:
+            get_preset(self.preset)
+
+    @classmethod
+    def parse(cls, kwargs: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
+        """Split lm-eval's keyword arguments into :class:`ModelArgs` and the ``set.`` stage overrides; one
+        ValueError naming an unknown or malformed argument."""
+        known = {f.name for f in attrs.fields(cls)}
+        stage = {k[len(STAGE_PREFIX):]: val for k, val in kwargs.items() if k.startswith(STAGE_PREFIX)}
+        unknown = sorted(k for k in kwargs if k not in known and not k.startswith(STAGE_PREFIX))
+        if unknown:
+            raise ValueError(f"unknown model arguments {unknown}; valid: {', '.join(sorted(known))}; stage options "
+                             f"go as {STAGE_PREFIX}KEY=VALUE (e.g. {STAGE_PREFIX}commit.threshold=0.8)")
+        given = {k: val for k, val in kwargs.items() if k in known}
+        if str(given.get("batch_size", "1")).startswith("auto"):
+            raise ValueError("--batch_size auto is not supported by the polestar model; give a number")
+        fields = attrs.fields_dict(cls)
+        for name, value in given.items():  # name the argument a conversion fails on
+            try:
+                if fields[name].converter is not None:
+                    fields[name].converter(value)
+            except ValueError as err:
+                raise ValueError(f"model argument {name}: {err}") from None
+        return cls(**given), stage
 
 
 # -- tokenizer access: the one place that knows the tokenizer's interface ------------------------------------
@@ -99,61 +176,36 @@ def _chat_template_of(tok) -> str | None:
 class PolestarLM(LM):
     """lm-eval model that decodes with a Polestar policy (see the module docstring for its arguments)."""
 
-    def __init__(self, pretrained: str | None = None, policy: str = "polestar", gen_length: int | None = None,
-                 block_length: int | None = None, steps: int | None = None, threshold: float | None = None,
-                 temperature: float = 0.0, seed: int = 0, stop_at_eos: bool = True, dtype: str | None = None,
-                 device: str | None = None, compile: bool = False, preset: str | None = None,
-                 batch_size: int | str = 1, max_batch_size: int | None = None, mc_num: int = 128,
-                 mc_batch_size: int = 32, cfg: float = 0.0, is_check_greedy: bool = False,
-                 add_special_tokens: bool | None = None, **extra: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        if not pretrained:
-            raise ValueError("model argument pretrained is required: --model_args pretrained=DIR_OR_SHIPPED_NAME")
-        unknown = sorted(k for k in extra if not k.startswith(STAGE_PREFIX))
-        if unknown:
-            raise ValueError(f"unknown model arguments {unknown}; stage options go as {STAGE_PREFIX}KEY=VALUE "
-                             f"(e.g. {STAGE_PREFIX}commit.threshold=0.8)")
-        self.overrides = {k[len(STAGE_PREFIX):]: v for k, v in extra.items()}
-        self.preset = get_preset(preset) if preset else None
-        self.policy = str(policy)
-        self.gen_length = _as_int(gen_length, "gen_length")
-        self.block_length = _as_int(block_length, "block_length") or (self.preset.block_length if self.preset else 32)
-        self.steps = _as_int(steps, "steps")
-        if threshold is None and self.preset is not None:
-            threshold = self.preset.threshold
-        self.threshold = None if threshold is None else float(threshold)
-        self.temperature = float(temperature)
-        self.seed = int(seed)
-        self.stop_at_eos = _as_bool(stop_at_eos, "stop_at_eos")
-        self.compile = _as_bool(compile, "compile")
-        self.batch_size = _as_int(batch_size, "batch_size")
-        self.mc_num = _as_int(mc_num, "mc_num")
-        self.mc_batch_size = min(_as_int(mc_batch_size, "mc_batch_size"), self.mc_num)
-        self.cfg = float(cfg)
-        self.is_check_greedy = _as_bool(is_check_greedy, "is_check_greedy")
-        self.add_special_tokens = None if add_special_tokens is None else _as_bool(add_special_tokens,
-                                                                                   "add_special_tokens")
+        args, self.overrides = ModelArgs.parse(kwargs)
+        self.args = args
+        self.preset = get_preset(args.preset) if args.preset else None
+        self.policy = args.policy
+        self.gen_length, self.steps = args.gen_length, args.steps
+        self.block_length = args.block_length or (self.preset.block_length if self.preset else 32)
+        threshold = args.threshold if args.threshold is not None or self.preset is None else self.preset.threshold
+        self.threshold = threshold
+        self.batch_size = args.batch_size
+        self.mc_num, self.mc_batch_size = args.mc_num, min(args.mc_batch_size, args.mc_num)
         self._chat_applied = False
-        if self.batch_size < 1 or self.mc_num < 1:
-            raise ValueError(f"batch_size and mc_num must be positive, got {self.batch_size} and {self.mc_num}")
-        if self.mc_num % self.mc_batch_size:
-            raise ValueError(f"mc_num ({self.mc_num}) must be a multiple of mc_batch_size ({self.mc_batch_size})")
         # fail on a bad policy, stage option or block layout before loading anything
         polestar.assemble(self.policy, self._stage_overrides())
-        GenerationConfig(self.gen_length or self.block_length, self.block_length, self.steps, self.temperature,
-                         self.seed, self.stop_at_eos)
-        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+        GenerationConfig(self.gen_length or self.block_length, self.block_length, self.steps, args.temperature,
+                         args.seed, args.stop_at_eos)
+        device = args.device
+        if device is None or (device.startswith("cuda") and not torch.cuda.is_available()):
             if device is not None:  # lm-eval's command line passes --device cuda by default
                 log.warning("device %s requested but CUDA is not available; using cpu", device)
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._rank, self._world_size = distributed.init_from_env(device)
         self._device = distributed.local_device(device)
-        dtype = dtype or ("bfloat16" if self._device.type == "cuda" else "float32")
-        self.pretrained = str(pretrained)
+        dtype = args.dtype or ("bfloat16" if self._device.type == "cuda" else "float32")
+        self.pretrained = args.pretrained
         self.model = polestar.load(self.pretrained, dtype=dtype, device=self._device)
         self.tokenizer = getattr(self.model, "tokenizer", None)
         if self.tokenizer is None:
-            raise ValueError(f"checkpoint {pretrained} has no tokenizer; lm-eval needs one to turn text into ids")
+            raise ValueError(f"checkpoint {self.pretrained} has no tokenizer; lm-eval needs one to turn text into ids")
         self.counters = DecodingCounters()
         global LAST_MODEL
         LAST_MODEL = self
@@ -163,7 +215,7 @@ class PolestarLM(LM):
         """Token ids of a context or continuation. Special tokens (LLaDA's BOS) are added as
         :func:`polestar.generate` and LLaDA's evaluation add them, except after a chat template (which writes them
         itself) or when ``add_special_tokens`` says otherwise."""
-        special = self.add_special_tokens if self.add_special_tokens is not None else not self._chat_applied
+        special = self.args.add_special_tokens if self.args.add_special_tokens is not None else not self._chat_applied
         return _encode(self.tokenizer, text, special)
 
     def _stage_overrides(self) -> dict[str, Any]:
@@ -192,13 +244,14 @@ class PolestarLM(LM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_gen_toks = kwargs.pop("max_gen_toks", None)
-            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else self.temperature
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else self.args.temperature
             length = self.generation_length(getattr(req, "task_name", None), max_gen_toks)
             plans.append((context, until, max_gen_toks, length, temperature))
         results: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, (_, _, _, length, temperature) in enumerate(plans):
             groups.setdefault((length, temperature), []).append(i)
+        bar = _progress(len(requests), "generate_until", disable_tqdm or self._rank != 0)
         for (length, temperature), members in groups.items():
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start : start + self.batch_size]
@@ -207,6 +260,10 @@ class PolestarLM(LM):
                     results[i] = self._finish(gen, plans[i][1], plans[i][2])
                     if hasattr(self, "cache_hook"):
                         self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
+                if bar is not None:
+                    bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
         return results
 
     def _generate(self, contexts: list[str], length: int, temperature: float) -> list[list[int]]:
@@ -225,7 +282,7 @@ class PolestarLM(LM):
         steps = self.steps if self.steps is not None else length
         out = polestar.generate(self.model, prompts, policy=self.policy, gen_length=length,
                                 block_length=self.block_length, steps=steps, temperature=temperature,
-                                seed=self.seed, stop_at_eos=self.stop_at_eos, compile=self.compile,
+                                seed=self.args.seed, stop_at_eos=self.args.stop_at_eos, compile=self.args.compile,
                                 **self._stage_overrides())
         self.counters.add(out.stats)
         stops = set(_stop_ids(self.model))
@@ -250,6 +307,7 @@ class PolestarLM(LM):
         and in any order); ``is_greedy`` is checked only with ``is_check_greedy=true`` (else False)."""
         out = []
         limit = self.model.spec.max_seq_len
+        bar = _progress(len(requests), "loglikelihood", disable_tqdm or self._rank != 0)
         for req in requests:
             context, continuation = req.args
             prefix = self._ids(context)
@@ -258,13 +316,17 @@ class PolestarLM(LM):
                 raise ValueError(f"continuation of {len(target)} tokens does not fit the model's context ({limit})")
             prefix = prefix[-(limit - len(target)) :]
             key = zlib.crc32(f"{context}\x00{continuation}".encode())
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
-            ll = masked_bound(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.cfg, gen)
-            self.counters.loglikelihood_forwards += self.mc_num // self.mc_batch_size * (2 if self.cfg > 0 else 1)
-            greedy = greedy_matches(self.model, prefix, target, self.cfg) if self.is_check_greedy else False
+            gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + key)
+            ll = masked_bound(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.args.cfg, gen)
+            self.counters.loglikelihood_forwards += self.mc_num // self.mc_batch_size * (2 if self.args.cfg > 0 else 1)
+            greedy = greedy_matches(self.model, prefix, target, self.args.cfg) if self.args.is_check_greedy else False
             out.append((ll, greedy))
             if hasattr(self, "cache_hook"):
                 self.cache_hook.add_partial("loglikelihood", req.args, out[-1])
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
