@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from ..bench.tasks import get_task, iter_split, split
 from .loading import build_model, load_model, save_model
+from .text import as_transformers_tokenizer
 from .tokenizer import build_char_tokenizer, special_ids
 
 #: Answer-region length (the benchmark generates 64 tokens).
@@ -388,7 +389,7 @@ def train(args: argparse.Namespace) -> dict:
             raise ValueError(f"--init {args.init} is a {model.spec.family} checkpoint but --family is {args.family}")
     else:
         model = build_model(args.family, spec_kwargs_from_args(args, vocab, ids), seed=args.seed)
-    model.tokenizer = tok
+    model.tokenizer = as_transformers_tokenizer(tok)
     model.train()
     params = n_params(model)
     log({"event": "start", "argv": sys.argv, "args": vars(args), "family": args.family, "params": params,

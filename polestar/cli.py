@@ -42,7 +42,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                    help="decode every block even after a sequence has committed its EOS (as LLaDA's and Fast-dLLM's "
                         "reference loops do); by default a sequence stops there")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights' dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
 
@@ -74,12 +75,14 @@ def cmd_generate(args) -> int:
         from polestar.bench.tasks import get_task
 
         prompts = [get_task(args.task).format_prompt(p) for p in args.prompt]
-    out = polestar.generate(model, prompts, policy=args.policy, **decoding_from_args(args), **parse_sets(args.set))
+    out = polestar.generate(model, prompts, policy=args.policy, chat=args.chat, system=args.system,
+                            **decoding_from_args(args), **parse_sets(args.set))
     if args.json:
         print(json.dumps({
             "policy": args.policy,
             "stages": out.pipeline.describe(),
             "tokens": out.tokens.tolist(),
+            "prompt_ids": out.prompt_ids,
             "prompt_len": out.prompt_len,
             "texts": out.texts,
             "stats": out.stats.as_dict(),
@@ -157,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny-llada", help="checkpoint directory or shipped name (tiny-llada, tiny-dream)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     g.add_argument("--task", default=None, help="format each prompt with this task's prompt layout (e.g. arith)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user turn in the checkpoint's chat template (instruct models)")
+    g.add_argument("--system", default=None, help="system turn before the prompt (with --chat)")
     _add_decoding_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with tokens, texts and stats")
     g.set_defaults(func=cmd_generate)
