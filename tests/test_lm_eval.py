@@ -178,14 +178,6 @@ def test_import_polestar_does_not_import_lm_eval():
     assert out.stdout.strip() == "False"
 
 
-def test_chat_template_missing_is_a_clear_error(lm):
-    assert lm.tokenizer_name == "tiny-llada"
-    if getattr(lm.tokenizer, "chat_template", None) is None:
-        with pytest.raises(ValueError, match="no chat template"):
-            lm.apply_chat_template([{"role": "user", "content": "3+4"}])
-        assert lm.chat_template(False) is None
-
-
 def test_model_args_are_converted_and_checked():
     from polestar.evaluation.lm_eval_model import ModelArgs
 

@@ -39,6 +39,7 @@ from lm_eval.api.registry import register_model
 
 import polestar
 from polestar.config import GenerationConfig
+from polestar.models.text import encode_text
 
 from . import distributed
 from .counters import DecodingCounters
@@ -151,9 +152,8 @@ class ModelArgs:
 
 # -- tokenizer access: the one place that knows the tokenizer's interface ------------------------------------
 def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of ``text`` (transformers or ``tokenizers`` tokenizer)."""
-    enc = tok.encode(text, add_special_tokens=add_special_tokens)
-    return list(enc.ids) if hasattr(enc, "ids") else list(enc)
+    """Token ids of ``text`` (a transformers tokenizer); a ValueError names characters outside the vocabulary."""
+    return encode_text(tok, text, add_special_tokens=add_special_tokens)
 
 
 def _decode(tok, ids: list[int]) -> str:
