@@ -169,10 +169,10 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
             polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing valid options
     if resume and json_out is None:
         raise ValueError("--resume needs --json OUT.json (the finished items are kept beside it)")
+    header = {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
+              "batch_size": batch_size, "dtype": dtype, "device": str(device)}  # as asked: same on every rank
     rank, world_size = distributed.init_from_env(device)
     device = distributed.local_device(device)
-    header = {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
-              "batch_size": batch_size, "dtype": dtype, "device": str(device)}
     log = ItemLog(json_out, header, rank, world_size) if json_out else None
     finished = log.finished() if log is not None and resume else {}
     if log is not None:
