@@ -99,3 +99,9 @@ def test_presets_listed_and_unknown_refused():
     assert get_preset("table1-512").gen_length("gsm8k") == 512
     with pytest.raises(ValueError, match="unknown evaluation preset 'table2'.*table1"):
         expand_arguments(["--preset", "table2", "--tasks", "gsm8k"])
+
+
+def test_preset_is_for_the_polestar_model():
+    with pytest.raises(ValueError, match="--preset configures the polestar model"):
+        expand_arguments(["--preset", "table1", "--model", "hf", "--tasks", "gsm8k"])
+    assert _parse(expand_arguments(["--model", "polestar", "--preset", "table1", "--tasks", "mbpp"])).num_fewshot == 3

@@ -64,6 +64,9 @@ def expand_arguments(argv: list[str]) -> list[str]:
     if name is None:
         return argv
     preset = get_preset(name)
+    model = _values(argv, ("--model", "-M"))
+    if model is not None and model[1][:1] != ["polestar"]:
+        raise ValueError(f"--preset configures the polestar model; drop --model {' '.join(model[1])} or --preset")
     found = _values(argv, _MODEL_ARGS)
     if found is None:
         argv += ["--model_args", f"preset={name}"]
@@ -141,6 +144,11 @@ def run_lm_eval(argv: list[str]) -> int:
         raise ValueError(f"polestar lm-eval needs lm-evaluation-harness ({err}); install it with "
                          "pip install -e '.[eval]'") from None
 
-    _run_harness(argv)
-    write_counters(argv)
+    from . import distributed
+
+    try:
+        _run_harness(argv)
+        write_counters(argv)
+    finally:
+        distributed.shutdown()
     return 0
