@@ -105,3 +105,10 @@ def test_preset_is_for_the_polestar_model():
     with pytest.raises(ValueError, match="--preset configures the polestar model"):
         expand_arguments(["--preset", "table1", "--model", "hf", "--tasks", "gsm8k"])
     assert _parse(expand_arguments(["--model", "polestar", "--preset", "table1", "--tasks", "mbpp"])).num_fewshot == 3
+
+
+def test_hyphenated_options_are_accepted(long_tiny):
+    argv = expand_arguments(["--preset", "table1", "--model-args", f"pretrained={long_tiny},policy=polestar",
+                             "--tasks", "gsm8k", "--output-path=out", "--gen_kwargs", "temperature=0"])
+    args = _parse(argv)
+    assert args.model_args["preset"] == "table1" and args.output_path == "out" and args.num_fewshot == 5

@@ -1,6 +1,7 @@
 """``polestar lm-eval ...``: lm-eval's own command line with the ``polestar`` model registered.
 
-Every argument is handed to lm-eval untouched, except ``--preset NAME`` (see
+Every argument is handed to lm-eval as it is (long options may also be written with hyphens, ``--model-args``
+for lm-eval's ``--model_args``), except ``--preset NAME`` (see
 :mod:`~polestar.evaluation.presets`), which is expanded first: ``preset=NAME`` is added to ``--model_args`` (block
 length, threshold and per-task generation lengths reach the model) and, when the selected tasks share one few-shot
 count in the preset and ``--num_fewshot`` is not given, ``--num_fewshot N`` is added. ``--model`` defaults to
@@ -56,9 +57,19 @@ def _pop_preset(argv: list[str]) -> tuple[str | None, list[str]]:
     return preset, out
 
 
+def _underscored(arg: str) -> str:
+    """``--model-args=x`` → ``--model_args=x``: lm-eval's long options are written with underscores; the
+    project's own commands use hyphens, so both spellings are accepted (values are left alone)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return "--" + name[2:].replace("-", "_") + eq + value
+
+
 def expand_arguments(argv: list[str]) -> list[str]:
-    """lm-eval arguments for ``polestar lm-eval argv``: ``--preset`` expanded, ``--model polestar`` by default."""
-    name, argv = _pop_preset(list(argv))
+    """lm-eval arguments for ``polestar lm-eval argv``: ``--preset`` expanded, ``--model polestar`` by default,
+    hyphenated long options (``--model-args``) spelled as lm-eval spells them (``--model_args``)."""
+    name, argv = _pop_preset([_underscored(a) for a in argv])
     if not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv) and argv[:1] not in (["ls"], ["validate"]):
         argv += ["--model", "polestar"]
     if name is None:
