@@ -16,11 +16,12 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
 import polestar
-import polestar.evaluation.lm_eval_model  # noqa: F401  (registers --model polestar)
 from polestar.bench.tasks import get_task
 from polestar.evaluation.cli import expand_arguments
+from polestar.evaluation.lm_eval_model import PolestarLM  # registers --model polestar
 from polestar.evaluation.presets import PRESETS, get_preset
 from polestar.models.loading import resolve_checkpoint
+from polestar.presets import PAPER_OPTIONS
 
 PAPER_SHOTS = {"gsm8k": 5, "minerva_math": 4, "humaneval": 0, "mbpp": 3}
 
@@ -89,9 +90,21 @@ def test_preset_reaches_the_decoder(long_tiny, monkeypatch):
     assert all(isinstance(t, str) for t in texts)
     lengths = sorted((kw["gen_length"], kw["steps"], kw["block_length"], kw["threshold?"]) for kw, _ in calls)
     assert lengths == [(256, 256, 32, 0.9), (512, 512, 32, 0.9)]  # gsm8k + minerva_math batched; humaneval 512
-    for _, stages in calls:
-        assert stages["commit"]["threshold"] == 0.9  # the commit rule runs with the paper's threshold
+    for _, stages in calls:  # the paper's stage options reach the pipeline
+        assert stages["commit"]["threshold"] == 0.9
+        for key, value in PAPER_OPTIONS.items():
+            kind, _, option = key.rstrip("?").rpartition(".")
+            if kind:
+                assert stages[kind][option] == value, key
     assert lm.counters.sequences == 3
+
+
+def test_explicit_options_win_over_the_preset(long_tiny):
+    lm = PolestarLM(pretrained=str(long_tiny), preset="table1", threshold=0.8, device="cpu",
+                    **{"set.refresh.topk": 2})
+    overrides = lm._stage_overrides()
+    assert overrides["threshold?"] == 0.8 and overrides["refresh.topk"] == 2 and "refresh.topk?" not in overrides
+    assert overrides["commit.min_confidence?"] == PAPER_OPTIONS["commit.min_confidence?"]
 
 
 def test_presets_listed_and_unknown_refused():

@@ -7,8 +7,8 @@ before handing its arguments to lm-eval's own command line. Model arguments (``-
 * ``policy`` (``polestar``), ``gen_length``, ``block_length``, ``steps``, ``threshold``, ``temperature``,
   ``seed``, ``stop_at_eos``, ``compile``: as in :func:`polestar.generate`;
 * ``dtype`` (``bfloat16`` on CUDA, else ``float32``), ``device`` (``cuda`` when available, else ``cpu``);
-* ``preset``: an :mod:`~polestar.evaluation.presets` name (``table1``) that sets block length, threshold and the
-  per-task generation length (explicit arguments win);
+* ``preset``: an :mod:`~polestar.evaluation.presets` name (``table1``) that sets block length, the paper's stage
+  options (threshold 0.9, ...) and the per-task generation length (explicit arguments win);
 * ``batch_size``: prompts decoded together; ``mc_num`` / ``mc_batch_size`` / ``cfg`` / ``is_check_greedy``:
   the Monte-Carlo log-likelihood (:mod:`~polestar.evaluation.loglikelihood`);
 * ``add_special_tokens``: whether contexts get the tokenizer's special tokens (LLaDA's BOS); by default yes, as
@@ -184,8 +184,7 @@ class PolestarLM(LM):
         self.policy = args.policy
         self.gen_length, self.steps = args.gen_length, args.steps
         self.block_length = args.block_length or (self.preset.block_length if self.preset else 32)
-        threshold = args.threshold if args.threshold is not None or self.preset is None else self.preset.threshold
-        self.threshold = threshold
+        self.threshold = args.threshold
         self.batch_size = args.batch_size
         self.mc_num, self.mc_batch_size = args.mc_num, min(args.mc_batch_size, args.mc_num)
         self._chat_applied = False
@@ -219,10 +218,14 @@ class PolestarLM(LM):
         return _encode(self.tokenizer, text, special)
 
     def _stage_overrides(self) -> dict[str, Any]:
-        out = dict(self.overrides)
+        """``set.`` options and ``threshold`` over the preset's stage options (an explicit key replaces the
+        preset's optional one)."""
+        mine = dict(self.overrides)
         if self.threshold is not None:
-            out.setdefault("threshold?", self.threshold)
-        return out
+            mine.setdefault("threshold?", self.threshold)
+        names = {k.rstrip("?") for k in mine}
+        preset = self.preset.options if self.preset is not None else {}
+        return {**{k: val for k, val in preset.items() if k.rstrip("?") not in names}, **mine}
 
     def generation_length(self, task: str | None, max_gen_toks: int | None) -> int:
         """Generation length (tokens) of a request of lm-eval task ``task`` (see the module docstring)."""

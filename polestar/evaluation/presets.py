@@ -3,14 +3,21 @@
 Table 1 of the paper (and Fast-dLLM / Elastic-Cache, whose protocol it follows) decodes LLaDA-8B-Instruct with
 block length 32, steps equal to the generation length, temperature 0 and confidence threshold 0.9, on GSM8K
 (5-shot), MATH (``minerva_math``, 4-shot), HumanEval (0-shot) and MBPP (3-shot), generating 256 tokens (512 for
-HumanEval and for the GSM8K-512 row). A preset is looked up by name; a task matches a preset entry when its
+HumanEval and for the GSM8K-512 row). The decoding settings and stage options are those of the published-model
+presets (:data:`polestar.presets.PAPER_DECODING`, :data:`polestar.presets.PAPER_OPTIONS`); this module adds the
+per-task few-shot counts and generation lengths. A preset is looked up by name; a task matches a preset entry when its
 lm-eval name equals the entry or starts with it and ``_`` (``minerva_math_algebra`` matches ``minerva_math``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 from attrs import validators as v
+
+from polestar.presets import PAPER_DECODING, PAPER_OPTIONS
 
 
 @attrs.frozen
@@ -23,15 +30,16 @@ class TaskSetting:
 
 @attrs.frozen
 class EvalPreset:
-    """Decoding settings shared by every task (``block_length``, ``threshold``; steps = generation length) and
-    per-task few-shot counts and generation lengths; ``default_gen_length`` for tasks it does not list."""
+    """Decoding settings shared by every task (``block_length``; steps = generation length; ``options``: stage
+    options as optional ``polestar.assemble`` overrides, e.g. ``threshold?``) and per-task few-shot counts and
+    generation lengths; ``default_gen_length`` for tasks it does not list."""
 
     name: str
     description: str
     tasks: dict[str, TaskSetting]
-    block_length: int = attrs.field(default=32, validator=v.gt(0))
-    threshold: float = attrs.field(default=0.9, validator=[v.gt(0.0), v.le(1.0)])
-    default_gen_length: int = attrs.field(default=256, validator=v.gt(0))
+    block_length: int = attrs.field(default=PAPER_DECODING["block_length"], validator=v.gt(0))
+    options: Mapping[str, Any] = attrs.field(factory=lambda: dict(PAPER_OPTIONS))
+    default_gen_length: int = attrs.field(default=PAPER_DECODING["gen_length"], validator=v.gt(0))
 
     def setting(self, task: str | None) -> TaskSetting | None:
         """The entry for lm-eval task ``task`` (exact name or ``entry_`` prefix; longest entry wins), or None."""
