@@ -17,8 +17,9 @@ from typing import Any
 
 import attrs
 
-# tokenizer_class names of published checkpoints that need remote code, → the stock transformers class they wrap
-CUSTOM_TOKENIZER_CLASSES: dict[str, str] = {"DreamTokenizer": "Qwen2Tokenizer"}
+# tokenizer_class names of published checkpoints that need remote code, → the stock transformers classes they
+# wrap, fastest first (transformers 4.x has a slow Qwen2Tokenizer and a fast Qwen2TokenizerFast; 5.x one class)
+CUSTOM_TOKENIZER_CLASSES: dict[str, tuple[str, ...]] = {"DreamTokenizer": ("Qwen2TokenizerFast", "Qwen2Tokenizer")}
 # tokens that end an assistant turn in the chat formats of the supported families (Llama-3 style, ChatML)
 END_OF_TURN_TOKENS: tuple[str, ...] = ("<|eot_id|>", "<|im_end|>")
 # names of the diffusion mask token in the supported tokenizers (LLaDA, Dream, the shipped char tokenizer)
@@ -72,8 +73,8 @@ def load_tokenizer(directory: Path):
         hf_logging.set_verbosity_error()  # AutoTokenizer warns that config.json's model_type is not a transformers one
         try:
             if class_name in CUSTOM_TOKENIZER_CLASSES:
-                cls = getattr(transformers, CUSTOM_TOKENIZER_CLASSES[class_name])
-                return cls.from_pretrained(str(directory))
+                stock = next(n for n in CUSTOM_TOKENIZER_CLASSES[class_name] if hasattr(transformers, n))
+                return getattr(transformers, stock).from_pretrained(str(directory))
             return transformers.AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise ValueError(

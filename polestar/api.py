@@ -23,8 +23,8 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
     """Load an LLaDA or Dream checkpoint: a Hugging Face-format directory or a shipped name (``"tiny-llada"``).
 
     ``dtype``: float32, bfloat16 or float16; None (default) keeps the checkpoint's ``torch_dtype``. Weights come
-    from safetensors only, read straight into the model's memory (peak host memory about the weights' size). The checkpoint's tokenizer is
-    attached as ``model.tokenizer`` (a ``transformers.PreTrainedTokenizerBase``, or None without tokenizer files)
+    from safetensors only, read straight into the model's memory (peak host memory about the weights' size).
+    The checkpoint's tokenizer is attached as ``model.tokenizer`` (a ``transformers.PreTrainedTokenizerBase``, or None without tokenizer files)
     and its stop tokens / decoding defaults (``generation_config.json``) as ``model.text_defaults``.
     """
     return load_model(path, dtype=dtype, device=device)
@@ -64,6 +64,8 @@ def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system:
     spec = model.spec
     if isinstance(prompts, str):
         prompts = [prompts]
+    if chat and not (isinstance(prompts, Sequence) and all(isinstance(p, str) for p in prompts)):
+        raise ValueError("chat=True formats string prompts; pass strings, or token ids with chat=False")
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
             prompts = prompts[None]
@@ -86,8 +88,6 @@ def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system:
             rows = [list(map(int, p)) for p in prompts]
         else:
             raise ValueError("prompts must be all strings or all token-id lists")
-        if chat and not all(isinstance(p, str) for p in prompts):
-            raise ValueError("chat=True formats string prompts; pass strings, or token ids with chat=False")
     else:
         raise ValueError(f"prompts must be strings, token-id lists or a LongTensor, got {type(prompts).__name__}")
     if len(rows) == 0:

@@ -60,6 +60,7 @@ class Preset:
         return all(config.get(k) == want for k, want in self.match.items())
 
     def as_dict(self) -> dict[str, Any]:
+        """The preset as plain JSON-ready data (``polestar presets --json``)."""
         return attrs.asdict(self)
 
 
@@ -75,6 +76,7 @@ def register_preset(preset: Preset) -> Preset:
 
 
 def preset_names() -> list[str]:
+    """Names of the registered presets, sorted."""
     return sorted(_PRESETS)
 
 

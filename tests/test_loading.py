@@ -97,3 +97,13 @@ def test_header_entries_match_safetensors(saved):
         for name, e in entries.items():
             assert e.shape == tuple(f.get_slice(name).get_shape()) and e.dtype == torch.bfloat16
             assert e.end - e.start == f.get_tensor(name).numel() * 2
+
+
+def test_non_finite_weights_load_as_they_are(tmp_path):
+    """NaN / inf in a weight tensor is the checkpoint's content, not a loading error: it arrives unchanged."""
+    model = make_model("llada")
+    with torch.no_grad():
+        model.model.transformer["ln_f"].weight[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    save_model(model, tmp_path)
+    loaded = load_model(tmp_path).model.transformer["ln_f"].weight
+    assert loaded[0].isnan() and loaded[1] == float("inf") and loaded[2] == -float("inf")

@@ -41,6 +41,7 @@ POLICIES = ("baseline", "fast-dllm", "polestar")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options, with the full-size or --tiny defaults filled in."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="narrow width, 2 layers, short sequences (CPU-testable)")
     ap.add_argument("--device", default="cuda")
@@ -66,19 +67,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def synced(device: torch.device) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (no-op off CUDA)."""
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def peak_memory(device: torch.device) -> int:
+    """Peak allocated device bytes since the last reset (0 off CUDA)."""
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def reset_peak(device: torch.device) -> None:
+    """Reset the peak-memory counter of ``device`` (no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def bandwidth(device: torch.device) -> float | None:
+    """HBM bytes per second of the CUDA device by its name (H100 figure when unknown); None off CUDA."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -99,6 +104,7 @@ def load_checkpoint(directory: Path, device: torch.device) -> tuple[torch.nn.Mod
 
 
 def time_forward(model, ids: torch.Tensor, reps: int = 3) -> float:
+    """Seconds of one full forward over ``ids [B, L]`` (after one warm-up)."""
     sync = synced(ids.device)
     with torch.inference_mode():
         model(ids)
@@ -111,6 +117,7 @@ def time_forward(model, ids: torch.Tensor, reps: int = 3) -> float:
 
 
 def policy_rows(model, args, device: torch.device) -> list[dict]:
+    """Step time, TPS, NFE and peak memory of each policy, mode and batch size (printed and returned)."""
     rows = []
     block = min(32, args.gen)
     for batch in args.batches:
@@ -132,6 +139,7 @@ def policy_rows(model, args, device: torch.device) -> list[dict]:
 
 
 def kernel_rows(args, device: torch.device) -> list[dict]:
+    """Milliseconds of each Triton kernel and its reference on inputs shaped like one step's."""
     scale = 1 if args.tiny else 32
     L, d = args.prompt + args.gen, 64 if args.tiny else 4096
     p = torch.rand(scale * scale * scale, L, device=device).softmax(-1)
@@ -151,6 +159,7 @@ def kernel_rows(args, device: torch.device) -> list[dict]:
 
 
 def timed(fn, device: torch.device, reps: int = 3) -> float:
+    """Mean seconds of ``fn()`` over ``reps`` calls after one warm-up."""
     sync = synced(device)
     fn()
     sync()
@@ -162,6 +171,7 @@ def timed(fn, device: torch.device, reps: int = 3) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the check; returns the exit status (1 when loading broke the memory bound, 2 without CUDA)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
