@@ -93,7 +93,13 @@ def agree_cli(path_a: str, path_b: str, policy_a: str | None = None, policy_b: s
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"{path}: no such benchmark JSON (write one with `polestar bench ... --json`)")
-        runs.append(json.loads(p.read_text()))
+        try:
+            run = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not a benchmark JSON ({err}); write one with `polestar bench ... --json`") from None
+        if not isinstance(run, dict) or not isinstance(run.get("items"), list):
+            raise ValueError(f"{path} has no 'items' list; is it the output of `polestar bench ... --json`?")
+        runs.append(run)
     result = compare_runs(*runs, policy_a=policy_a, policy_b=policy_b)
     print(format_agreement(result, f"A = {path_a}\nB = {path_b}"))
     return 0

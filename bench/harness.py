@@ -36,27 +36,41 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"--data file {data} does not exist")
+    task = get_task(task_name)
     problems = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        rec = json.loads(line)
-        if "input" not in rec:
-            raise ValueError(f"{data}:{lineno}: record has no 'input' field")
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{data}:{lineno}: not valid JSON ({err.msg}, column {err.colno}); each line must be one "
+                             'object like {"input": "3+4*2", "output": "..."}') from None
+        if not isinstance(rec, dict) or "input" not in rec:
+            raise ValueError(f"{data}:{lineno}: record has no 'input' field; each line must be one object like "
+                             '{"input": "3+4*2", "output": "..."}')
+        try:
+            task.validate_input(str(rec["input"]))
+        except ValueError as err:
+            raise ValueError(f"{data}:{lineno}: {err}") from None
         problems.append(Problem(task_name, str(rec["input"]), str(rec.get("output", ""))))
         if len(problems) >= n:
             break
+    if not problems:
+        raise ValueError(f"{data} holds no records; each line must be one object like "
+                         '{"input": "3+4*2", "output": "..."}')
     return problems
 
 
-#: Fields of a bench item in the ``--json`` output; the items JSONL also keeps the per-item counters.
-ITEM_FIELDS = ("policy", "input", "generation", "correct", "nfe")
+#: Fields of a bench item in the ``--json`` output (``error``: why decoding stopped early, e.g. non-finite logits,
+#: else None); the items JSONL also keeps the per-item counters.
+ITEM_FIELDS = ("policy", "input", "generation", "correct", "nfe", "error")
 
 
 def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, options: dict[str, Any],
                  decoding: dict[str, Any]) -> tuple[list[dict], Pipeline]:
     """Decode one batch of problems; return one record per problem (:data:`ITEM_FIELDS` plus its ``tokens``,
-    ``token_layer_evals`` and ``wall_s``, the batch's wall time split evenly) and the pipeline it ran."""
+    ``token_layer_evals``, ``wall_s`` and ``compile_s``, the batch's times split evenly) and the pipeline it ran."""
     name = policy if isinstance(policy, str) else policy.policy
     prompts = [task.format_prompt(p.input) for p in chunk]
     out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
@@ -64,8 +78,9 @@ def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, opti
     for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
         records.append({
             "policy": name, "input": prob.input, "generation": text,
-            "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe,
+            "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe, "error": getattr(seq, "error", None),
             "tokens": seq.tokens, "token_layer_evals": seq.token_layer_evals, "wall_s": out.stats.wall_s / len(chunk),
+            "compile_s": out.stats.compile_s / len(chunk),
         })
     return records, out.pipeline
 
@@ -87,6 +102,7 @@ def summarize(records: list[dict], stages: dict | None) -> dict:
         "token_layer_evals_per_token": sum(r["token_layer_evals"] for r in records) / max(tokens, 1),
         "n": len(records),
         "wall_s": wall,
+        "compile_s": sum(r.get("compile_s", 0.0) for r in records),  # torch.compile time, excluded from wall_s and tps
         "stages": stages,  # the stages and options it ran with
     }
 
@@ -162,6 +178,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     equal a single-process run). With ``json_out`` each finished batch is appended to the items file beside it
     (:mod:`~polestar.bench.item_log`); ``resume`` reuses the batches already there.
     """
+    check_run_args(policies, n, batch_size)
     task = get_task(task_name)
     for name in policies:  # fail on a bad policy or option before any decoding
         polestar.assemble(name, optional_overrides(options))
@@ -271,16 +288,73 @@ def _progress(total: int, show: bool):
     return tqdm(total=total, desc="bench", unit="problem")
 
 
+def check_run_args(policies: list[str], n: int, batch_size: int) -> None:
+    """ValueError, before any work, for an empty policy list or ``n`` / ``batch_size`` below 1 (Python API)."""
+    if not policies:
+        raise ValueError(f"no policies given; name at least one of: {', '.join(polestar.policy_names())}")
+    for name, value in (("n", n), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+
+
+def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) -> list[str]:
+    """Every check of ``polestar bench`` / ``anatomy`` arguments, before any model is loaded; returns the policies.
+
+    Raises :class:`~polestar.cli_checks.UsageError` (one line naming the flag and the fix) for: ``--policy``
+    (bench takes ``--policies``), an empty or unknown ``--policies``, ``--n`` / ``--batch-size`` < 1, a bad
+    decoding layout, a ``--set`` that the single chosen policy does not have (or, with several policies, that
+    none has), ``--device``, ``--model``, ``--task``, a malformed ``--data`` file (file and line named) and
+    ``--json`` / ``--plot`` outputs whose directory is missing (and ``--plot`` without matplotlib).
+    """
+    from polestar import cli_checks as cc
+
+    if getattr(args, "policy", None) is not None:
+        raise cc.UsageError(f"this command takes --policies (comma-separated), not --policy; "
+                            f"use --policies {args.policy}")
+    policies = cc.split_policies(args.policies)
+    cc.check_positive("--n", args.n)
+    cc.check_positive("--batch-size", args.batch_size)
+    cc.check_generation_config(decoding)
+    try:
+        if len(policies) == 1:  # exactly one policy asked for: every --set must apply to it
+            polestar.assemble(policies[0], options)
+        for name in policies:
+            polestar.assemble(name, optional_overrides(options))
+        for key, value in options.items():
+            if not any(_accepts(name, key, value, options) for name in policies):
+                polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing options
+    except (ValueError, TypeError) as err:
+        raise cc.UsageError(f"--set: {cc.one_line(err)}") from None
+    cc.check_device(args.device)
+    cc.check_model(args.model)
+    cc.get_task_or_usage(args.task)
+    for flag, path in (("--json", args.json_out), ("--plot", getattr(args, "plot", None))):
+        cc.check_output_file(flag, path)
+    cc.check_plot_backend(getattr(args, "plot", None))
+    if args.data is not None:
+        try:
+            load_problems(args.task, args.n, args.data)
+        except (ValueError, FileNotFoundError) as err:
+            line = cc.one_line(err)
+            raise cc.UsageError(line if line.startswith("--data") else f"--data: {line}") from None
+    return policies
+
+
 def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> int:
-    """``polestar bench``: check the output paths, run, then (rank 0) print the table and write JSON / plot."""
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    """``polestar bench``: check the arguments and output paths, run, then (rank 0) print the table and write
+    JSON / plot."""
+    from polestar.cli_checks import UsageError, working
+
+    policies = check_problem_args(args, options, decoding)
     resume = getattr(args, "resume", False)
     if resume and not args.json_out:
-        raise ValueError("--resume needs --json OUT.json (the finished items are kept beside it)")
+        raise UsageError("--resume needs --json OUT.json (the finished items are kept beside it)")
     check_writable([args.json_out, args.plot, items_path(args.json_out) if args.json_out else None])
     try:
-        result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
-                           args.dtype, args.device, json_out=args.json_out, resume=resume)
+        with working("bench"):
+            result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size,
+                               args.data, args.dtype, args.device, show_progress=not args.quiet,
+                               json_out=args.json_out, resume=resume)
         rank = distributed.rank()
     finally:
         distributed.shutdown()
@@ -290,6 +364,9 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     if not args.stop_at_eos:
         title += " / no stop at EOS"
     print(format_table(result["summary"], title))
+    if args.compile:
+        print("compile time (excluded from TPS): " + ", ".join(
+            f"{name} {s['compile_s']:.1f}s" for name, s in result["summary"].items()))
     if args.profile:
         result["profile"] = profile_policies(args.model, args.task, policies, min(args.n, 8), options, decoding,
                                              args.batch_size, args.dtype, args.device)
@@ -298,4 +375,12 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     if args.plot:
         pareto_plot(result["summary"], args.plot, title)
+    failed = [item for item in result["items"] if item.get("error")]
+    if failed:
+        from polestar.cli_checks import RuntimeFailure
+
+        first = failed[0]
+        raise RuntimeFailure(f"{len(failed)} of {len(result['items'])} problem(s) stopped early, scored as wrong; first: "
+                             f"policy {first['policy']}, input {first['input']!r}: {first['error']} (items carry "
+                             "'error' in --json)")
     return 0

@@ -1,37 +1,65 @@
 """Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``,
-``polestar anatomy``, ``polestar lm-eval``."""
+``polestar anatomy``, ``polestar lm-eval``.
+
+Bad input is answered before any work with one ``error: ...`` line naming the problem and the fix (exit code 2);
+a failure while working is one line too (exit code 1); ``--debug`` adds the traceback. The checks live in
+:mod:`polestar.cli_checks`. ``polestar lm-eval`` hands its arguments to lm-eval (:mod:`polestar.evaluation.cli`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from .cli_checks import (
+    RuntimeFailure,
+    UsageError,
+    check_device,
+    check_finite_weights,
+    check_generation_config,
+    check_model,
+    check_positive,
+    check_task_prompts,
+    get_task_or_usage,
+    one_line,
+    parse_sets,
+    working,
+)
 
-def _parse_value(text: str) -> Any:
-    """``--set`` values: JSON scalars when they parse (0.9, 4, true, null), else the string."""
+__all__ = ["build_parser", "main", "parse_sets"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one ``error: ...`` line (exit code 2) instead of usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
+def _package_version() -> str:
+    """The installed distribution's version (``polestar-dllm``), else ``polestar.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+        return version("polestar-dllm")
+    except PackageNotFoundError:  # a source tree that is not installed
+        from polestar import __version__
+
+        return __version__
 
 
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise SystemExit(f"error: --set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = _parse_value(value.strip())
-    return out
-
-
-def _add_decoding_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", default="fast-dllm", help="policy name (see `polestar policies`)")
+def _add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
+    if policy:
+        p.add_argument("--policy", default="fast-dllm", help="policy name (see `polestar policies`)")
+    else:  # bench / anatomy take --policies; a --policy is answered with a pointer to it, never ignored
+        p.add_argument("--policy", default=None, help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="stage option or stage swap, e.g. threshold=0.8, commit=factor, refresh.refresh_interval=2")
     p.add_argument("--gen-length", type=int, default=64)
@@ -45,7 +73,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights' dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each step with torch.compile (compile time is reported apart from TPS)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
 
 
 def decoding_from_args(args) -> dict[str, Any]:
@@ -58,12 +88,72 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
     """Model, task, policies and problems of `bench` and `anatomy`."""
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--task", default="arith")
-    p.add_argument("--policies", default=policies)
+    p.add_argument("--policies", default=policies, help="comma-separated policy names")
     p.add_argument("--n", "--num-problems", dest="n", type=int, default=n,
                    help="number of problems (write --num-problems under torchrun, whose parser takes --n for its own)")
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
+
+def _check_policy(policy: str, sets: dict[str, Any]) -> None:
+    """The policy exists and every ``--set`` applies to one of its stages with a valid value. Strict: one policy
+    was asked for, so an option none of its stages has is an error, never silently ignored."""
+    import polestar
+
+    try:
+        polestar.assemble(policy, sets)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"--policy {policy}: {one_line(err)}") from None
+
+
+def _load_checked(args):
+    """Load ``--model`` (a failure is a runtime failure naming it) and refuse non-finite weights."""
+    import polestar
+
+    with working(f"loading model {args.model}"):
+        model = polestar.load(args.model, dtype=args.dtype, device=args.device)
+    check_finite_weights(model, args.model)
+    return model
+
+
+def _check_prompts_fit(model, prompts: list[str], gen_length: int, chat: bool = False,
+                       system: str | None = None) -> None:
+    """Each prompt encodes to ≥ 1 in-vocabulary token (after the chat template with ``chat``) and fits the model's
+    context with ``gen_length``."""
+    import polestar
+
+    try:
+        _, mask = polestar.encode_prompts(model, prompts, chat=chat, system=system)
+    except ValueError as err:
+        raise UsageError(one_line(err)) from None
+    limit = model.spec.max_seq_len
+    for i, n in enumerate(mask.sum(dim=1).tolist()):
+        if n + gen_length > limit:
+            raise UsageError(f"prompt #{i + 1} has {n} tokens; with --gen-length {gen_length} that is "
+                             f"{n + gen_length} > the model's context ({limit}); shorten the prompt or lower --gen-length")
+
+
+class BatchProgress:
+    """One stderr line per finished batch (``generate: batch 2/5 · 64/150 prompts · 3.1s · ETA 4.6s``), shown only
+    when there is more than one batch and ``--quiet`` is not given."""
+
+    def __init__(self, n_prompts: int, n_batches: int, quiet: bool):
+        self.n_prompts, self.n_batches = n_prompts, n_batches
+        self.show = n_batches > 1 and not quiet
+        self.done = self.batches = 0
+        self.start = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.batches += 1
+        if not self.show:
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * (self.n_prompts - self.done)
+        print(f"generate: batch {self.batches}/{self.n_batches} · {self.done}/{self.n_prompts} prompts · "
+              f"{elapsed:.1f}s · ETA {eta:.1f}s", file=sys.stderr, flush=True)
 
 
 #: settings of `generate` a preset gives when the flag is absent, and their values without a preset (temperature
@@ -71,60 +161,91 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
 _PRESET_FLAGS = {"policy": "fast-dllm", "gen_length": 64, "block_length": 16, "temperature": None}
 
 
-def _preset_for(args, model):
-    """`--preset NAME`, or with `--preset auto` the preset recognised from the checkpoint's config.json."""
+def _preset_for(args):
+    """`--preset NAME`, or with `--preset auto` the preset recognised from the checkpoint's config.json (read
+    before the weights are loaded, so every setting is checked first)."""
     from polestar import presets
-    from polestar.models.loading import read_config
+    from polestar.models.loading import read_config, resolve_checkpoint
 
     if args.preset == "none":
         return None
     if args.preset != "auto":
         return presets.get_preset(args.preset)
-    directory = Path(model.name_or_path)
+    directory = resolve_checkpoint(args.model)
     return presets.preset_for_config(read_config(directory), directory)
 
 
 def cmd_generate(args) -> int:
     import polestar
     from polestar import presets
+    from polestar.stats import RunStats
 
     if args.preset not in ("auto", "none"):
-        presets.get_preset(args.preset)  # an unknown name fails before the (slow) load
-    model = polestar.load(args.model, dtype=args.dtype, device=args.device)
-    preset = _preset_for(args, model)
+        try:
+            presets.get_preset(args.preset)
+        except ValueError as err:
+            raise UsageError(one_line(err)) from None
+    check_positive("--batch-size", args.batch_size)
+    check_device(args.device)
+    check_model(args.model)
+    preset = _preset_for(args)
     given = {"policy": preset.policy, **preset.decoding} if preset is not None else {}
     for key, fallback in _PRESET_FLAGS.items():  # explicit flags win over the preset
         if getattr(args, key) is None:
             setattr(args, key, given.get(key, fallback))
     user = parse_sets(args.set)
     mine = {k.rstrip("?") for k in user}
-    options = {k: v for k, v in (preset.options.items() if preset is not None else ()) if k.rstrip("?") not in mine}
-    options.update(user)
+    sets = {k: v for k, v in (preset.options.items() if preset is not None else ()) if k.rstrip("?") not in mine}
+    sets.update(user)
+    decoding = decoding_from_args(args)
+    # temperature None: generation_config.json's value, known once the model is loaded
+    check_generation_config({k: v for k, v in decoding.items() if v is not None})
+    check_task_prompts(args.task, args.prompt)
+    _check_policy(args.policy, sets)
+    if args.system is not None and not args.chat:
+        raise UsageError("--system is the system turn of a chat prompt; add --chat")
     if preset is not None:
         print(f"[preset {preset.name}] {preset.description}", file=sys.stderr)
-    prompts = args.prompt
+    prompts = list(args.prompt)
     if args.task:
-        from polestar.bench.tasks import get_task
-
-        prompts = [get_task(args.task).format_prompt(p) for p in args.prompt]
-    out = polestar.generate(model, prompts, policy=args.policy, chat=args.chat, system=args.system,
-                            **decoding_from_args(args), **options)
-    if args.json:
-        print(json.dumps({
-            "policy": args.policy,
-            "stages": out.pipeline.describe(),
-            "tokens": out.tokens.tolist(),
-            "prompt_ids": out.prompt_ids,
-            "prompt_len": out.prompt_len,
-            "texts": out.texts,
-            "stats": out.stats.as_dict(),
-        }))
-        return 0
-    texts = out.texts or [str(row) for row in out.generations.tolist()]
-    for prompt, text in zip(args.prompt, texts):
-        print(f"{prompt!r} -> {text!r}")
-    s = out.stats
-    print(f"[{args.policy}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s "
+        task = get_task_or_usage(args.task)
+        prompts = [task.format_prompt(p) for p in prompts]
+    model = _load_checked(args)
+    _check_prompts_fit(model, prompts, args.gen_length, args.chat, args.system)
+    size = args.batch_size
+    batches = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+    progress = BatchProgress(len(prompts), len(batches), args.quiet)
+    outs = []
+    for rows in batches:
+        with working("decoding"):
+            out = polestar.generate(model, [prompts[i] for i in rows], policy=args.policy, chat=args.chat,
+                                    system=args.system, **decoding, **sets)
+        outs.append((rows, out))
+        progress.update(len(rows))
+    for rows, out in outs:
+        if args.json:  # one JSON object per batch (one line each)
+            print(json.dumps({
+                "policy": args.policy,
+                "stages": out.pipeline.describe(),
+                "tokens": out.tokens.tolist(),
+                "prompt_ids": out.prompt_ids,
+                "prompt_len": out.prompt_len,
+                "texts": out.texts,
+                "stats": out.stats.as_dict(),
+            }))
+            continue
+        texts = out.texts or [str(row) for row in out.generations.tolist()]
+        for i, text in zip(rows, texts):
+            print(f"{args.prompt[i]!r} -> {text!r}")
+    errors = [(rows[i], err) for rows, out in outs for i, err in out.stats.errors]
+    if errors:
+        first, err = errors[0]
+        more = f" (and {len(errors) - 1} more prompt(s))" if len(errors) > 1 else ""
+        raise RuntimeFailure(f"prompt #{first + 1} {args.prompt[first]!r} stopped early: {err}{more}; its output is "
+                             "incomplete (a float32 run may avoid it: --dtype float32)")
+    s = RunStats.merge([out.stats for _, out in outs])
+    compiled = f" compile={s.compile_s:.2f}s" if args.compile else ""
+    print(f"[{args.policy}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s{compiled} "
           f"token_layer_evals={s.token_layer_evals}", file=sys.stderr)
     return 0
 
@@ -187,15 +308,21 @@ def cmd_bench(args) -> int:
 def cmd_agree(args) -> int:
     from polestar.bench.agreement import agree_cli
 
+    if (args.policy_a is None) != (args.policy_b is None):
+        raise UsageError("--policy-a and --policy-b go together; give both or neither")
     return agree_cli(args.a, args.b, args.policy_a, args.policy_b)
 
 
 def cmd_anatomy(args) -> int:
     from polestar.bench.anatomy import commit_anatomy, format_anatomy
+    from polestar.bench.harness import check_problem_args
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    result = commit_anatomy(args.model, args.task, policies, args.n, parse_sets(args.set), decoding_from_args(args),
-                            args.batch_size, args.data, args.dtype, args.device)
+    sets = parse_sets(args.set)
+    decoding = decoding_from_args(args)
+    policies = check_problem_args(args, sets, decoding)
+    with working("anatomy"):
+        result = commit_anatomy(args.model, args.task, policies, args.n, sets, decoding, args.batch_size, args.data,
+                                args.dtype, args.device)
     title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
     print(format_anatomy(result, title))
     if args.json_out:
@@ -204,7 +331,9 @@ def cmd_anatomy(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polestar", description="Fast decoding for diffusion language models")
+    parser = OneLineParser(prog="polestar", description="Fast decoding for diffusion language models")
+    parser.add_argument("--version", action="version", version=f"polestar {_package_version()}")
+    parser.add_argument("--debug", action="store_true", default=False, help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode prompts with a policy")
     g.add_argument("--model", default="tiny-llada", help="checkpoint directory or shipped name (tiny-llada, tiny-dream)")
@@ -213,17 +342,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn in the checkpoint's chat template (instruct models)")
     g.add_argument("--system", default=None, help="system turn before the prompt (with --chat)")
+    g.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (default 32)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr (shown when >1 batch)")
     _add_decoding_args(g)
     g.add_argument("--preset", default="auto",
                    help="decoding settings of a published model (see `polestar presets`); 'auto' picks one from the "
                         "checkpoint's config.json when it is a published model, 'none' never; flags override it")
-    g.add_argument("--json", action="store_true", help="print one JSON object with tokens, texts and stats")
+    g.add_argument("--json", action="store_true", help="print one JSON object per batch with tokens, texts and stats")
     g.set_defaults(func=cmd_generate, policy=None, gen_length=None, block_length=None, temperature=None)
     pr = sub.add_parser("presets", help="list the presets of the published models (paper settings)")
     pr.add_argument("--json", action="store_true")
+    pr.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     pr.set_defaults(func=cmd_presets)
     p = sub.add_parser("policies", help="list policies and stages with their options")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_policies)
     b = sub.add_parser("bench", help="accuracy / throughput of policies on a task")
     _add_problem_args(b, "baseline,parallel,fast-dllm", n=200, batch_size=1)
@@ -232,17 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resume", action="store_true",
                    help="reuse the finished items of an interrupted run with the same settings (kept beside --json "
                         "in OUT.items.jsonl)")
-    _add_decoding_args(b)
+    _add_decoding_args(b, policy=False)
     b.set_defaults(func=cmd_bench)
     an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")
     _add_problem_args(an, "fast-dllm,polestar", n=100, batch_size=50)
-    _add_decoding_args(an)
+    _add_decoding_args(an, policy=False)
     an.set_defaults(func=cmd_anatomy)
     a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")
     a.add_argument("a", metavar="A.json")
     a.add_argument("b", metavar="B.json")
     a.add_argument("--policy-a", help="compare only this policy of A ... (needs --policy-b)")
     a.add_argument("--policy-b", help="... with this policy of B")
+    a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_agree)
     # `polestar lm-eval ...` is dispatched in main() before this parser: every argument goes to lm-eval untouched
     sub.add_parser("lm-eval", add_help=False,
@@ -251,23 +385,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exceptions raised by validation (argument, option and configuration checks) before any work: usage errors.
+_USAGE_ERRORS = (UsageError, ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 runtime failure, 2 usage error, 130 interrupted)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["lm-eval"]:
+    if argv[:1] == ["lm-eval"]:  # every argument goes to lm-eval (polestar.evaluation.cli), not to this parser
         from polestar.evaluation.cli import run_lm_eval
 
         try:
             return run_lm_eval(argv[1:])
         except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {one_line(err)}", file=sys.stderr)
             return 2
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, --version, or an argparse usage error (already printed in one line)
+        return done.code if isinstance(done.code, int) else 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except RuntimeFailure as err:
+        code, line, error = 1, one_line(err), err
+    except _USAGE_ERRORS as err:
+        code, line, error = 2, one_line(err), err
+    except KeyboardInterrupt as err:
+        code, line, error = 130, "interrupted", err
+    except Exception as err:  # an unexpected failure: still one line; --debug shows where
+        code, line, error = 1, f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)", err
+    if args.debug:
+        traceback.print_exception(type(error), error, error.__traceback__)
+    print(f"error: {line}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -106,8 +106,31 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
             options[kind][key] = value
     stages = {kind: registry.build(kind, name, **options[kind]) for kind, name in chosen.items()}
     for stage in stages.values():
+        check_option_rules(stage)
+    for stage in stages.values():
         stage.bind(stages)
     return Pipeline(policy, stages)
+
+
+#: Checks across the options of one stage, which a single field's validator cannot make:
+#: ``(kind, stage name) → [(holds(config), message with {option} fields)]``.
+OPTION_RULES: dict[tuple[str, str], list[tuple[Any, str]]] = {
+    ("refresh", "polestar"): [
+        (lambda c: c.topk <= c.n_clusters,
+         "topk ({topk}) cannot exceed n_clusters ({n_clusters}): only n_clusters clusters exist to pick from; "
+         "lower topk or raise n_clusters"),
+        (lambda c: c.topk_last <= c.n_clusters,
+         "topk_last ({topk_last}) cannot exceed n_clusters ({n_clusters}); lower topk_last or raise n_clusters"),
+    ],
+}
+
+
+def check_option_rules(stage: Any) -> None:
+    """Raise one ValueError naming the stage and its options if ``stage``'s config breaks an :data:`OPTION_RULES`
+    rule."""
+    for holds, message in OPTION_RULES.get((stage.kind, stage.name), ()):
+        if not holds(stage.config):
+            raise ValueError(f"{stage.kind} stage {stage.name!r}: " + message.format(**attrs.asdict(stage.config)))
 
 
 def _unknown_option(key: str, fields: dict[str, dict[str, Any]]) -> str:

@@ -70,11 +70,88 @@ def config_fields(kind: str, name: str) -> dict[str, Any]:
 
 
 def build(kind: str, name: str, **options: Any):
-    """Instantiate stage ``kind``/``name`` with validated config ``options``."""
+    """Instantiate stage ``kind``/``name`` with validated config ``options``.
+
+    A bad value raises one ValueError naming the stage, the option, the value and what the option accepts
+    (its type and range, read from the config field's annotation and attrs validators).
+    """
     cls = lookup(kind, name)
-    known = {f.name for f in attrs.fields(cls.Config)}
-    unknown = sorted(set(options) - known)
+    fields = {f.name: f for f in attrs.fields(cls.Config)}
+    unknown = sorted(set(options) - set(fields))
     if unknown:
-        raise ValueError(f"{kind} stage {name!r} has no option(s) {unknown}; its options: {sorted(known)}")
-    return cls(cls.Config(**options))
+        raise ValueError(f"{kind} stage {name!r} has no option(s) {unknown}; its options: {sorted(fields)}")
+    required = {k: v for k, v in options.items() if fields[k].default is attrs.NOTHING}
+    for key, value in options.items():
+        _check_option(cls, kind, name, fields[key], value, required)
+    try:
+        config = cls.Config(**options)
+    except (TypeError, ValueError) as err:  # a check across options
+        raise ValueError(f"{kind} stage {name!r}: {_one_line(err)}") from None
+    return cls(config)
+
+
+def describe_option(field: attrs.Attribute) -> str:
+    """What a config field accepts, e.g. ``"an integer >= 1"`` or ``"a number >= 0.0 and <= 1.0"``."""
+    type_name = _type_name(field)
+    text = _TYPE_WORDS.get(type_name, f"a {type_name}" if type_name else "a value")
+    bounds, choices = [], None
+    for validator in _flatten(field.validator):
+        if type(validator).__name__ == "_NumberValidator":
+            bounds.append(f"{validator.compare_op} {validator.bound}")
+        elif type(validator).__name__ == "_InValidator":
+            choices = ", ".join(map(repr, validator.options))
+    if choices:
+        return f"one of {choices}"
+    return text + (" " + " and ".join(bounds) if bounds else "")
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _type_name(field: attrs.Attribute) -> str:
+    t = field.type
+    if t is None:
+        return ""
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _flatten(validator) -> list:
+    if validator is None:
+        return []
+    inner = getattr(validator, "_validators", None)
+    if inner is not None:
+        return [x for v in inner for x in _flatten(v)]
+    return [validator]
+
+
+def _type_ok(type_name: str, value: Any) -> bool:
+    if type_name == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if type_name == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if type_name == "bool":
+        return isinstance(value, bool)
+    if type_name == "str":
+        return isinstance(value, str)
+    return True
+
+
+def _check_option(cls: type, kind: str, name: str, field: attrs.Attribute, value: Any, required: dict) -> None:
+    """Type and range of one option, checked on its own (with only the ``required`` options, which have no default)
+    so the error names it."""
+    problem = None
+    if not _type_ok(_type_name(field), value):
+        problem = f"got {value!r} ({type(value).__name__})"
+    else:
+        try:
+            cls.Config(**{**required, field.name: value})
+        except (TypeError, ValueError) as err:
+            problem = f"got {value!r} ({_one_line(err)})"
+    if problem is not None:
+        raise ValueError(f"option {field.name!r} of {kind} stage {name!r} must be {describe_option(field)}; "
+                         f"{problem}")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
 

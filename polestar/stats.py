@@ -8,11 +8,13 @@ import attrs
 @attrs.frozen
 class SequenceStats:
     """Per-sequence counters: ``nfe`` forward passes that computed this sequence, ``tokens`` generated non-EOS
-    tokens, ``token_layer_evals`` positions computed summed over layers and steps, ``tpf`` = tokens / nfe."""
+    tokens, ``token_layer_evals`` positions computed summed over layers and steps, ``tpf`` = tokens / nfe,
+    ``error``: why decoding of this sequence stopped early (e.g. non-finite logits), None when it finished."""
 
     nfe: int
     tokens: int
     token_layer_evals: int
+    error: str | None = None
 
     @property
     def tpf(self) -> float:
@@ -24,13 +26,29 @@ class RunStats:
     """Run counters. ``nfe``: batched forward passes; ``tpf``: generated non-EOS tokens per sequence-forward
     (sum of tokens / sum of per-sequence ``nfe``; equals the paper's TPF at batch 1); ``tps``: generated non-EOS
     tokens per second of wall time; ``token_layer_evals``: positions actually computed, summed over steps,
-    layers and sequences; ``sequences``: per-sequence :class:`SequenceStats`."""
+    layers and sequences; ``sequences``: per-sequence :class:`SequenceStats`; ``compile_s``: seconds spent
+    compiling (``torch.compile``) during the run, excluded from ``wall_s`` and so from ``tps``."""
 
     nfe: int
     tokens: int
     wall_s: float
     token_layer_evals: int
     sequences: tuple[SequenceStats, ...]
+    compile_s: float = 0.0
+
+    @property
+    def errors(self) -> list[tuple[int, str]]:
+        """``(sequence index, error)`` of every sequence that stopped with an error."""
+        return [(i, s.error) for i, s in enumerate(self.sequences) if getattr(s, "error", None)]
+
+    @classmethod
+    def merge(cls, runs: list[RunStats]) -> RunStats:
+        """The counters of consecutive runs (batches) as one run: sums, sequences concatenated."""
+        return cls(
+            nfe=sum(r.nfe for r in runs), tokens=sum(r.tokens for r in runs), wall_s=sum(r.wall_s for r in runs),
+            token_layer_evals=sum(r.token_layer_evals for r in runs),
+            sequences=tuple(s for r in runs for s in r.sequences), compile_s=sum(r.compile_s for r in runs),
+        )
 
     @property
     def tpf(self) -> float:
@@ -52,10 +70,22 @@ class RunStats:
             "tpf": self.tpf,
             "tps": self.tps,
             "wall_s": self.wall_s,
+            "compile_s": self.compile_s,
             "token_layer_evals": self.token_layer_evals,
             "token_layer_evals_per_token": self.token_layer_evals_per_token,
             "per_sequence": [
-                {"nfe": s.nfe, "tokens": s.tokens, "tpf": s.tpf, "token_layer_evals": s.token_layer_evals}
+                {"nfe": s.nfe, "tokens": s.tokens, "tpf": s.tpf, "token_layer_evals": s.token_layer_evals,
+                 "error": getattr(s, "error", None)}
                 for s in self.sequences
             ],
         }
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process so far (TorchDynamo's own timer of every frame
+    compile, backend included). The difference across a run is that run's compile time."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))

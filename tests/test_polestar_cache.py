@@ -10,7 +10,8 @@ from polestar.policies.refresh_polestar import split_clusters, top_clusters
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]
-EXACT = dict(topk=64, topk_last=64, tau_upd=0, prefix_blocks=64, suffix_blocks=64, window_refresh_every=0,
+# topk = topk_last = n_clusters (8): every cluster refreshed (a larger topk is an error since issue 17)
+EXACT = dict(topk=8, topk_last=8, tau_upd=0, prefix_blocks=64, suffix_blocks=64, window_refresh_every=0,
              quant="none")
 
 

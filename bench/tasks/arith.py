@@ -20,7 +20,7 @@ import re
 
 import attrs
 
-from .base import Problem, clean_generation, tagged_prompt
+from .base import Problem, check_input, clean_generation, tagged_prompt
 
 _INPUT_RE = re.compile(r"\d(?:[+\-*]\d)+")
 
@@ -78,8 +78,14 @@ class ArithTask:
         """The canonical step-by-step answer, e.g. ``"3+4=7,7*2=4,4-5=9"``."""
         return ",".join(f"{a}{op}{b}={r}" for a, op, b, r in steps(input))
 
+    def validate_input(self, input: str) -> None:
+        """A digit followed by one or more ``+``/``-``/``*`` and a digit, e.g. ``3+4*2``; else ValueError."""
+        check_input(self.name, input, isinstance(input, str) and bool(_INPUT_RE.fullmatch(input)),
+                    "a digit then +, - or * and a digit, repeated, e.g. '3+4*2-5'")
+
     def format_prompt(self, input: str) -> str:
-        """``f"arith:{input}="``."""
+        """``f"arith:{input}="`` (ValueError for an input not in the format, see :meth:`validate_input`)."""
+        self.validate_input(input)
         return tagged_prompt(self.name, input)
 
     def check(self, input: str, generation: str) -> bool:

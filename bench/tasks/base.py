@@ -66,8 +66,14 @@ class Task(Protocol):
         """Draw one problem using only ``rng`` for randomness (deterministic given the rng state)."""
         ...
 
+    def validate_input(self, input: str) -> None:
+        """Raise ValueError naming the expected format (with an example) if ``input`` is not one of this task's
+        inputs; :meth:`format_prompt` calls it."""
+        ...
+
     def format_prompt(self, input: str) -> str:
-        """Return the prompt text given to the model; the same layout is used for training and evaluation."""
+        """Return the prompt text given to the model; the same layout is used for training and evaluation.
+        Raises ValueError (see :meth:`validate_input`) for an input not in the task's format."""
         ...
 
     def check(self, input: str, generation: str) -> bool:
@@ -102,6 +108,21 @@ def tagged_prompt(tag: str, input: str) -> str:
     Prompts longer than :data:`PROMPT_WIDTH` (none of the registered tasks produces one) are left as they are.
     """
     return f"{tag}:{input}=".ljust(PROMPT_WIDTH)
+
+
+def check_input(tag: str, input: str, ok: bool, expected: str) -> None:
+    """Raise ValueError unless ``ok`` and ``input``'s tagged prompt fits in :data:`PROMPT_WIDTH` characters.
+
+    ``expected`` describes the task's input format with an example; the message names the task and the input.
+    """
+    if not isinstance(input, str):
+        raise ValueError(f"{tag} input must be a string, got {type(input).__name__}")
+    if not ok:
+        raise ValueError(f"not a {tag} input: {input!r}; expected {expected}")
+    width = len(f"{tag}:{input}=")
+    if width > PROMPT_WIDTH:
+        raise ValueError(f"{tag} input {input!r} is too long: its prompt takes {width} characters, the task's "
+                         f"layout has {PROMPT_WIDTH}; shorten it to {PROMPT_WIDTH - len(tag) - 2} characters")
 
 
 def _hash_int(text: str) -> int:

@@ -19,7 +19,7 @@ from collections import Counter
 
 import attrs
 
-from .base import Problem, clean_generation, tagged_prompt
+from .base import Problem, check_input, clean_generation, tagged_prompt
 
 _EQ_RE = re.compile(r"(\d{1,4})([+\-*/])(\d{1,4})=(\d{1,5})")
 _INPUT_RE = re.compile(r"\d{1,3}(?:,\d{1,3})+")
@@ -148,8 +148,16 @@ class CountdownTask:
                 answer = _first_pair_solution(sources, target, self.max_value) or answer
             return Problem(self.name, input, answer)
 
+    def validate_input(self, input: str) -> None:
+        """``n_sources`` comma-separated numbers then the target, e.g. ``3,5,2,16``; else ValueError."""
+        ok = isinstance(input, str) and bool(_INPUT_RE.fullmatch(input)) and input.count(",") == self.n_sources
+        example = ",".join(["3", "5", "2", "7"][: self.n_sources] + ["16"])
+        check_input(self.name, input, ok,
+                    f"{self.n_sources} comma-separated source numbers then the target, e.g. '{example}'")
+
     def format_prompt(self, input: str) -> str:
-        """``f"{name}:{input}="``, e.g. ``"countdown:3,5,2,16="``."""
+        """``f"{name}:{input}="``, e.g. ``"countdown:3,5,2,16="`` (ValueError for an input not in the format)."""
+        self.validate_input(input)
         return tagged_prompt(self.name, input)
 
     def check(self, input: str, generation: str) -> bool:

@@ -19,13 +19,16 @@ on the mixture can be evaluated on any sub-task (and train/test splits agree, as
 from __future__ import annotations
 
 import random
+import re
 import string
 from collections.abc import Callable
 
 import attrs
 
-from .base import Problem, clean_generation, tagged_prompt
+from .base import Problem, check_input, clean_generation, tagged_prompt
 
+_STRING_RE = re.compile(r"[a-z0-9]+")
+_PICK_RE = re.compile(r"([a-z]+)\|([a-z]+)")
 _ALPHABETS = (string.ascii_lowercase, string.digits, string.ascii_lowercase + string.digits)
 
 
@@ -50,8 +53,14 @@ class StringMapTask:
         input = _random_string(rng, self.min_len, self.max_len)
         return Problem(self.name, input, self.transform(input))
 
+    def validate_input(self, input: str) -> None:
+        """Lowercase letters and digits only, e.g. ``k3q9``; else ValueError."""
+        ok = isinstance(input, str) and bool(_STRING_RE.fullmatch(input))
+        check_input(self.name, input, ok, "lowercase letters a-z and digits 0-9 only, e.g. 'k3q9'")
+
     def format_prompt(self, input: str) -> str:
-        """``f"{name}:{input}="``."""
+        """``f"{name}:{input}="`` (ValueError for an input not in the format, see :meth:`validate_input`)."""
+        self.validate_input(input)
         return tagged_prompt(self.name, input)
 
     def check(self, input: str, generation: str) -> bool:
@@ -88,8 +97,15 @@ class PickTask:
         second = "".join(rng.choice(string.ascii_lowercase.replace(ch, "")) for ch in first)
         return Problem(self.name, f"{first}|{second}", rng.choice((first, second)))
 
+    def validate_input(self, input: str) -> None:
+        """Two lowercase words of equal length joined by ``|``, e.g. ``cat|dog``; else ValueError."""
+        m = _PICK_RE.fullmatch(input) if isinstance(input, str) else None
+        ok = m is not None and len(m.group(1)) == len(m.group(2))
+        check_input(self.name, input, ok, "two lowercase words of the same length joined by '|', e.g. 'cat|dog'")
+
     def format_prompt(self, input: str) -> str:
-        """``f"pick:{input}="``."""
+        """``f"pick:{input}="`` (ValueError for an input not in the format, see :meth:`validate_input`)."""
+        self.validate_input(input)
         return tagged_prompt(self.name, input)
 
     def check(self, input: str, generation: str) -> bool:
@@ -127,7 +143,7 @@ class ParallelMixtureTask:
     )
 
     def _split_input(self, input: str) -> tuple[StringMapTask | PickTask, str]:
-        prefix, sep, rest = input.partition(":")
+        prefix, sep, rest = input.partition(":") if isinstance(input, str) else ("", "", "")
         if not sep or prefix not in self.subs:
             raise ValueError(
                 f"parallel input must start with one of {sorted(self.subs)} + ':', got {input!r}"
@@ -139,6 +155,11 @@ class ParallelMixtureTask:
         sub_name = rng.choice(sorted(self.subs))
         problem = self.subs[sub_name].sample(rng)
         return Problem(self.name, f"{sub_name}:{problem.input}", problem.output)
+
+    def validate_input(self, input: str) -> None:
+        """A sub-task name, ``:``, and that sub-task's input (``reverse:abcd``); else ValueError."""
+        sub, rest = self._split_input(input)
+        sub.validate_input(rest)
 
     def format_prompt(self, input: str) -> str:
         """The sub-task's own prompt, i.e. ``f"{input}="`` (e.g. ``"reverse:abcd="``)."""

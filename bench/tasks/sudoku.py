@@ -17,7 +17,7 @@ import re
 
 import attrs
 
-from .base import Problem, clean_generation, tagged_prompt
+from .base import Problem, check_input, clean_generation, tagged_prompt
 
 _GRID_RE = re.compile(r"[0-4]{4}(?:\n[0-4]{4}){3}")
 
@@ -117,8 +117,14 @@ class SudokuTask:
             if len(completions(puzzle)) == 1:
                 return Problem(self.name, render_grid(puzzle), render_grid(solution))
 
+    def validate_input(self, input: str) -> None:
+        """4 newline-separated lines of 4 digits 0-4 (0 = blank); else ValueError."""
+        check_input(self.name, input, isinstance(input, str) and parse_grid(input) is not None,
+                    "4 lines of 4 digits 0-4 separated by newlines (0 for a blank), e.g. '0423\\n0340\\n4032\\n3010'")
+
     def format_prompt(self, input: str) -> str:
-        """``f"sudoku:{input}="`` (the grid keeps its newlines)."""
+        """``f"sudoku:{input}="`` (the grid keeps its newlines; ValueError for an input not in the format)."""
+        self.validate_input(input)
         return tagged_prompt(self.name, input)
 
     def check(self, input: str, generation: str) -> bool:
