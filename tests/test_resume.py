@@ -75,10 +75,14 @@ def test_without_resume_old_items_are_dropped(tmp_path, uninterrupted):
 
 def test_output_paths_checked_before_decoding(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(harness, "run_bench", lambda *a, **k: pytest.fail("decoded before checking the outputs"))
-    code = main(["bench", "--n", "2", "--json", str(tmp_path / "missing" / "o.json"), "--plot", str(tmp_path)])
+    (tmp_path / "o.items.jsonl").mkdir()  # the items file beside --json cannot be written
+    code = main(["bench", "--n", "2", "--json", str(tmp_path / "o.json")])
     assert code == 2
-    err = capsys.readouterr().err
-    assert "folder" in err and "missing" in err and f"{tmp_path} is a folder" in err
+    assert f"{tmp_path / 'o.items.jsonl'} is a folder" in capsys.readouterr().err
+    code = main(["bench", "--n", "2", "--plot", str(tmp_path)])
+    assert code == 2 and "is a directory" in capsys.readouterr().err
     code = main(["bench", "--n", "2", "--resume"])
     assert code == 2 and "--resume needs --json" in capsys.readouterr().err
     check_writable([tmp_path / "ok.json", None])  # a writable path passes
+    with pytest.raises(ValueError, match="folder .*missing does not exist"):
+        check_writable([tmp_path / "missing" / "o.json"])
