@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import polestar
+from polestar.bench.item_log import ItemLog, check_writable, items_path
 from polestar.bench.tasks import get_task
 from polestar.bench.tasks.base import Problem, split
+from polestar.evaluation import distributed
 from polestar.policy import Pipeline
 from polestar.registry import KINDS
 
@@ -60,47 +62,68 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
     return problems
 
 
+#: Fields of a bench item in the ``--json`` output (``error``: why decoding stopped early, e.g. non-finite logits,
+#: else None); the items JSONL also keeps the per-item counters.
+ITEM_FIELDS = ("policy", "input", "generation", "correct", "nfe", "error")
+
+
+def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, options: dict[str, Any],
+                 decoding: dict[str, Any]) -> tuple[list[dict], Pipeline]:
+    """Decode one batch of problems; return one record per problem (:data:`ITEM_FIELDS` plus its ``tokens``,
+    ``token_layer_evals``, ``wall_s`` and ``compile_s``, the batch's times split evenly) and the pipeline it ran."""
+    name = policy if isinstance(policy, str) else policy.policy
+    prompts = [task.format_prompt(p.input) for p in chunk]
+    out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
+    records = []
+    for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
+        records.append({
+            "policy": name, "input": prob.input, "generation": text,
+            "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe, "error": getattr(seq, "error", None),
+            "tokens": seq.tokens, "token_layer_evals": seq.token_layer_evals, "wall_s": out.stats.wall_s / len(chunk),
+            "compile_s": out.stats.compile_s / len(chunk),
+        })
+    return records, out.pipeline
+
+
+def summarize(records: list[dict], stages: dict | None) -> dict:
+    """Accuracy (with its 95% interval), TPF, TPS, NFE and token-layer evaluations per token of ``records``
+    (from :func:`decode_batch`); ``stages``: the pipeline's ``describe()``."""
+    correct = sum(r["correct"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    seq_nfe = sum(r["nfe"] for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    lo, hi = wilson_interval(correct, len(records))
+    return {
+        "accuracy": correct / max(len(records), 1),
+        "accuracy_ci95": [lo, hi],
+        "tpf": tokens / max(seq_nfe, 1),
+        "tps": tokens / wall if wall > 0 else 0.0,
+        "nfe": seq_nfe / max(len(records), 1),
+        "token_layer_evals_per_token": sum(r["token_layer_evals"] for r in records) / max(tokens, 1),
+        "n": len(records),
+        "wall_s": wall,
+        "compile_s": sum(r.get("compile_s", 0.0) for r in records),  # torch.compile time, excluded from wall_s and tps
+        "stages": stages,  # the stages and options it ran with
+    }
+
+
+def public_item(record: dict) -> dict:
+    """The :data:`ITEM_FIELDS` of a record (what ``--json`` lists under ``items``)."""
+    return {k: record[k] for k in ITEM_FIELDS}
+
+
 def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, options: dict[str, Any],
                decoding: dict[str, Any], batch_size: int = 1, progress=None) -> tuple[list[dict], dict]:
     """Decode every problem with ``policy`` (a name or an assembled pipeline); return per-item records and a
     summary (with ``stages``: the stages and options the policy ran with, ``Pipeline.describe()``)."""
-    name = policy if isinstance(policy, str) else policy.policy
-    items = []
-    tokens = seq_nfe = evals = 0
-    wall = compile_s = 0.0
-    out = None
+    records, pipeline = [], None
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        prompts = [task.format_prompt(p.input) for p in chunk]
-        out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
-        for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
-            items.append({
-                "policy": name, "input": prob.input, "generation": text,
-                "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe,
-                "error": getattr(seq, "error", None),  # why decoding stopped early (non-finite logits), else None
-            })
-        tokens += out.stats.tokens
-        seq_nfe += sum(s.nfe for s in out.stats.sequences)
-        evals += out.stats.token_layer_evals
-        wall += out.stats.wall_s
-        compile_s += out.stats.compile_s
+        recs, pipeline = decode_batch(model, task, chunk, policy, options, decoding)
+        records += recs
         if progress is not None:
             progress.update(len(chunk))
-    correct = sum(i["correct"] for i in items)
-    lo, hi = wilson_interval(correct, len(items))
-    summary = {
-        "accuracy": correct / max(len(items), 1),
-        "accuracy_ci95": [lo, hi],
-        "tpf": tokens / max(seq_nfe, 1),
-        "tps": tokens / wall if wall > 0 else 0.0,
-        "nfe": seq_nfe / max(len(items), 1),
-        "token_layer_evals_per_token": evals / max(tokens, 1),
-        "n": len(items),
-        "wall_s": wall,
-        "compile_s": compile_s,  # torch.compile time, excluded from wall_s and tps
-        "stages": out.pipeline.describe() if out is not None else None,  # the stages and options it ran with
-    }
-    return items, summary
+    return [public_item(r) for r in records], summarize(records, pipeline.describe() if pipeline else None)
 
 
 def format_table(summary: dict[str, dict], title: str) -> str:
@@ -146,8 +169,15 @@ def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
 
 def run_bench(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
               decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str = "float32",
-              device: str = "cpu", show_progress: bool = True) -> dict:
-    """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}}}``."""
+              device: str = "cpu", show_progress: bool = True, json_out: str | None = None,
+              resume: bool = False) -> dict:
+    """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}}}``.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) the batches are dealt round robin to the ranks and every rank returns
+    the gathered result (items in problem order; each batch is the one a single process decodes, so the items
+    equal a single-process run). With ``json_out`` each finished batch is appended to the items file beside it
+    (:mod:`~polestar.bench.item_log`); ``resume`` reuses the batches already there.
+    """
     check_run_args(policies, n, batch_size)
     task = get_task(task_name)
     for name in policies:  # fail on a bad policy or option before any decoding
@@ -155,14 +185,42 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     for key, value in options.items():
         if not any(_accepts(name, key, value, options) for name in policies):
             polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing valid options
+    if resume and json_out is None:
+        raise ValueError("--resume needs --json OUT.json (the finished items are kept beside it)")
+    header = {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
+              "batch_size": batch_size, "dtype": dtype, "device": str(device)}  # as asked: same on every rank
+    rank, world_size = distributed.init_from_env(device)
+    device = distributed.local_device(device)
+    log = ItemLog(json_out, header, rank, world_size) if json_out else None
+    finished = log.finished() if log is not None and resume else {}
+    if log is not None:
+        log.start(resume)
     model = polestar.load(model_name, dtype=dtype, device=device)
     problems = load_problems(task_name, n, data)
+    starts = list(range(0, len(problems), batch_size))
+    mine = [starts[b] for b in distributed.shard(len(starts), rank, world_size)]
     items, summary = [], {}
-    bar = _progress(len(problems) * len(policies), show_progress)
+    bar = _progress(sum(len(problems[s : s + batch_size]) for s in mine) * len(policies), show_progress and rank == 0)
     for name in policies:
-        its, summ = run_policy(model, task, problems, name, optional_overrides(options), decoding, batch_size, bar)
-        items += its
-        summary[name] = summ
+        opts = optional_overrides(options)
+        local = []
+        for start in mine:
+            chunk = problems[start : start + batch_size]
+            keys = [(name, start + i) for i in range(len(chunk))]
+            if all(k in finished for k in keys):
+                records = [finished[k] for k in keys]
+            else:
+                records, _ = decode_batch(model, task, chunk, name, opts, decoding)
+                for i, rec in enumerate(records):
+                    rec["index"] = start + i
+                if log is not None:
+                    log.append(records)
+            local += records
+            if bar is not None:
+                bar.update(len(chunk))
+        records = sorted((r for part in distributed.all_gather_objects(local) for r in part), key=lambda r: r["index"])
+        items += [public_item(r) for r in records]
+        summary[name] = summarize(records, polestar.assemble(name, opts).describe())
     if bar is not None:
         bar.close()
     return {
@@ -283,12 +341,25 @@ def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) 
 
 
 def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> int:
-    from polestar.cli_checks import working
+    """``polestar bench``: check the arguments and output paths, run, then (rank 0) print the table and write
+    JSON / plot."""
+    from polestar.cli_checks import UsageError, working
 
     policies = check_problem_args(args, options, decoding)
-    with working("bench"):
-        result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size, args.data,
-                           args.dtype, args.device, show_progress=not args.quiet)
+    resume = getattr(args, "resume", False)
+    if resume and not args.json_out:
+        raise UsageError("--resume needs --json OUT.json (the finished items are kept beside it)")
+    check_writable([args.json_out, args.plot, items_path(args.json_out) if args.json_out else None])
+    try:
+        with working("bench"):
+            result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size,
+                               args.data, args.dtype, args.device, show_progress=not args.quiet,
+                               json_out=args.json_out, resume=resume)
+        rank = distributed.rank()
+    finally:
+        distributed.shutdown()
+    if rank != 0:  # rank 0 reports the gathered result
+        return 0
     title = f"{args.model} / {args.task} / n={result['n']} / gen {args.gen_length} block {args.block_length}"
     if not args.stop_at_eos:
         title += " / no stop at EOS"

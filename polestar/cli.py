@@ -1,9 +1,9 @@
 """Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``,
-``polestar anatomy``.
+``polestar anatomy``, ``polestar lm-eval``.
 
 Bad input is answered before any work with one ``error: ...`` line naming the problem and the fix (exit code 2);
 a failure while working is one line too (exit code 1); ``--debug`` adds the traceback. The checks live in
-:mod:`polestar.cli_checks`.
+:mod:`polestar.cli_checks`. ``polestar lm-eval`` hands its arguments to lm-eval (:mod:`polestar.evaluation.cli`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
     p.add_argument("--model", default="tiny-llada")
     p.add_argument("--task", default="arith")
     p.add_argument("--policies", default=policies, help="comma-separated policy names")
-    p.add_argument("--n", type=int, default=n)
+    p.add_argument("--n", "--num-problems", dest="n", type=int, default=n,
+                   help="number of problems (write --num-problems under torchrun, whose parser takes --n for its own)")
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(b, "baseline,parallel,fast-dllm", n=200, batch_size=1)
     b.add_argument("--plot", default=None, metavar="OUT.png")
     b.add_argument("--profile", action="store_true", help="report the share of step time per stage")
+    b.add_argument("--resume", action="store_true",
+                   help="reuse the finished items of an interrupted run with the same settings (kept beside --json "
+                        "in OUT.items.jsonl)")
     _add_decoding_args(b, policy=False)
     b.set_defaults(func=cmd_bench)
     an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")
@@ -374,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--policy-b", help="... with this policy of B")
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     a.set_defaults(func=cmd_agree)
+    # `polestar lm-eval ...` is dispatched in main() before this parser: every argument goes to lm-eval untouched
+    sub.add_parser("lm-eval", add_help=False,
+                   help="lm-evaluation-harness with the polestar model registered (takes lm-eval's arguments, "
+                        "plus --preset table1)")
     return parser
 
 
@@ -383,6 +391,15 @@ _USAGE_ERRORS = (UsageError, ValueError, KeyError, TypeError, FileNotFoundError,
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 runtime failure, 2 usage error, 130 interrupted)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # every argument goes to lm-eval (polestar.evaluation.cli), not to this parser
+        from polestar.evaluation.cli import run_lm_eval
+
+        try:
+            return run_lm_eval(argv[1:])
+        except ValueError as err:
+            print(f"error: {one_line(err)}", file=sys.stderr)
+            return 2
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help, --version, or an argparse usage error (already printed in one line)

@@ -1,0 +1,165 @@
+"""``polestar lm-eval ...``: lm-eval's own command line with the ``polestar`` model registered.
+
+Every argument is handed to lm-eval as it is (long options may also be written with hyphens, ``--model-args``
+for lm-eval's ``--model_args``), except ``--preset NAME`` (see
+:mod:`~polestar.evaluation.presets`), which is expanded first: ``preset=NAME`` is added to ``--model_args`` (block
+length, threshold and per-task generation lengths reach the model) and, when the selected tasks share one few-shot
+count in the preset and ``--num_fewshot`` is not given, ``--num_fewshot N`` is added. ``--model`` defaults to
+``polestar``. After the run, the decoding counters summed over every rank are written to
+``OUTPUT_PATH/polestar_counters_<time>.json`` when ``--output_path`` is given (beside lm-eval's results), else
+printed as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .presets import get_preset
+
+_MODEL_ARGS = ("--model_args", "-a")
+_TASKS = ("--tasks", "-t")
+_FEWSHOT = ("--num_fewshot", "-f")
+_OUTPUT = ("--output_path", "-o")
+
+
+def _values(argv: list[str], names: tuple[str, ...]) -> tuple[int, list[str]] | None:
+    """Position of option ``names`` in ``argv`` and the values after it (up to the next option); None if absent.
+    ``--opt=value`` counts as one value."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name:
+                vals = []
+                for a in argv[i + 1 :]:
+                    if a.startswith("-"):
+                        break
+                    vals.append(a)
+                return i, vals
+            if arg.startswith(name + "="):
+                return i, [arg.split("=", 1)[1]]
+    return None
+
+
+def _pop_preset(argv: list[str]) -> tuple[str | None, list[str]]:
+    out, preset, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--preset":
+            if i + 1 >= len(argv):
+                raise ValueError("--preset needs a name, e.g. --preset table1")
+            preset, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--preset="):
+            preset, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            out.append(argv[i])
+            i += 1
+    return preset, out
+
+
+def _underscored(arg: str) -> str:
+    """``--model-args=x`` → ``--model_args=x``: lm-eval's long options are written with underscores; the
+    project's own commands use hyphens, so both spellings are accepted (values are left alone)."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return "--" + name[2:].replace("-", "_") + eq + value
+
+
+def expand_arguments(argv: list[str]) -> list[str]:
+    """lm-eval arguments for ``polestar lm-eval argv``: ``--preset`` expanded, ``--model polestar`` by default,
+    hyphenated long options (``--model-args``) spelled as lm-eval spells them (``--model_args``)."""
+    name, argv = _pop_preset([_underscored(a) for a in argv])
+    if not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv) and argv[:1] not in (["ls"], ["validate"]):
+        argv += ["--model", "polestar"]
+    if name is None:
+        return argv
+    preset = get_preset(name)
+    model = _values(argv, ("--model", "-M"))
+    if model is not None and model[1][:1] != ["polestar"]:
+        raise ValueError(f"--preset configures the polestar model; drop --model {' '.join(model[1])} or --preset")
+    found = _values(argv, _MODEL_ARGS)
+    if found is None:
+        argv += ["--model_args", f"preset={name}"]
+    elif not any("preset=" in v for v in found[1]):
+        i, vals = found
+        if argv[i].startswith("--model_args=") or argv[i].startswith("-a="):
+            argv[i] = f"{argv[i]},preset={name}"
+        elif vals:
+            argv[i + len(vals)] = f"{vals[-1]},preset={name}"
+        else:
+            argv.insert(i + 1, f"preset={name}")
+    tasks = _values(argv, _TASKS)
+    if tasks is not None and _values(argv, _FEWSHOT) is None:
+        names = [t for v in tasks[1] for t in v.split(",") if t]
+        shots = {s.num_fewshot for s in map(preset.setting, names) if s is not None}
+        if len(shots) == 1:
+            argv += ["--num_fewshot", str(shots.pop())]
+    return argv
+
+
+def _run_harness(argv: list[str]) -> None:
+    """lm-eval's own command line on ``argv`` (its parser reads ``sys.argv``)."""
+    saved = sys.argv
+    sys.argv = ["lm-eval", *argv]
+    try:
+        try:
+            from lm_eval._cli import HarnessCLI
+        except ImportError:  # lm-eval < 0.4.9: one flat parser
+            from lm_eval.__main__ import cli_evaluate
+
+            cli_evaluate()
+            return
+        from lm_eval.utils import setup_logging
+
+        setup_logging()
+        parser = HarnessCLI()
+        parser.execute(parser.parse_args())
+    finally:
+        sys.argv = saved
+
+
+def write_counters(argv: list[str]) -> Path | None:
+    """Write (rank 0) the counters of the run's ``polestar`` model beside ``--output_path``, or print them.
+    Returns the file written, if any."""
+    from . import lm_eval_model
+
+    lm = lm_eval_model.LAST_MODEL
+    if lm is None:
+        return None
+    record = {"model": lm.pretrained, "policy": lm.policy, "world_size": lm.world_size,
+              "counters": lm.total_counters().as_dict()}
+    if lm.rank != 0:
+        return None
+    out = _values(argv, _OUTPUT)
+    if out is None or not out[1]:
+        print(json.dumps(record, indent=1))
+        return None
+    base = Path(out[1][0])
+    directory = base.parent if base.suffix == ".json" else base
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"polestar_counters_{time.strftime('%Y-%m-%dT%H-%M-%S')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"polestar decoding counters: {path}")
+    return path
+
+
+def run_lm_eval(argv: list[str]) -> int:
+    """``polestar lm-eval``: expand the arguments, register the model, run lm-eval, write the counters."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+    argv = expand_arguments(argv)
+    try:
+        from . import lm_eval_model  # noqa: F401  (registers --model polestar)
+    except ImportError as err:
+        raise ValueError(f"polestar lm-eval needs lm-evaluation-harness ({err}); install it with "
+                         "pip install -e '.[eval]'") from None
+
+    from . import distributed
+
+    try:
+        _run_harness(argv)
+        write_counters(argv)
+    finally:
+        distributed.shutdown()
+    return 0

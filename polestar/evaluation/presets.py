@@ -1,0 +1,80 @@
+"""Evaluation presets: the paper's Table 1 settings for lm-eval's own tasks, as data.
+
+Table 1 of the paper (and Fast-dLLM / Elastic-Cache, whose protocol it follows) decodes LLaDA-8B-Instruct with
+block length 32, steps equal to the generation length, temperature 0 and confidence threshold 0.9, on GSM8K
+(5-shot), MATH (``minerva_math``, 4-shot), HumanEval (0-shot) and MBPP (3-shot), generating 256 tokens (512 for
+HumanEval and for the GSM8K-512 row). The decoding settings and stage options are those of the published-model
+presets (:data:`polestar.presets.PAPER_DECODING`, :data:`polestar.presets.PAPER_OPTIONS`); this module adds the
+per-task few-shot counts and generation lengths. A preset is looked up by name; a task matches a preset entry when its
+lm-eval name equals the entry or starts with it and ``_`` (``minerva_math_algebra`` matches ``minerva_math``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+from polestar.presets import PAPER_DECODING, PAPER_OPTIONS
+
+
+@attrs.frozen
+class TaskSetting:
+    """Few-shot count and generation length (tokens) of one lm-eval task under a preset."""
+
+    num_fewshot: int = attrs.field(validator=v.ge(0))
+    gen_length: int = attrs.field(validator=v.gt(0))
+
+
+@attrs.frozen
+class EvalPreset:
+    """Decoding settings shared by every task (``block_length``; steps = generation length; ``options``: stage
+    options as optional ``polestar.assemble`` overrides, e.g. ``threshold?``) and per-task few-shot counts and
+    generation lengths; ``default_gen_length`` for tasks it does not list."""
+
+    name: str
+    description: str
+    tasks: dict[str, TaskSetting]
+    block_length: int = attrs.field(default=PAPER_DECODING["block_length"], validator=v.gt(0))
+    options: Mapping[str, Any] = attrs.field(factory=lambda: dict(PAPER_OPTIONS))
+    default_gen_length: int = attrs.field(default=PAPER_DECODING["gen_length"], validator=v.gt(0))
+
+    def setting(self, task: str | None) -> TaskSetting | None:
+        """The entry for lm-eval task ``task`` (exact name or ``entry_`` prefix; longest entry wins), or None."""
+        if task is None:
+            return None
+        hits = [k for k in self.tasks if task == k or task.startswith(k + "_")]
+        return self.tasks[max(hits, key=len)] if hits else None
+
+    def gen_length(self, task: str | None) -> int:
+        """Generation length for ``task`` (its entry, else ``default_gen_length``)."""
+        entry = self.setting(task)
+        return entry.gen_length if entry is not None else self.default_gen_length
+
+
+_TABLE1_SHOTS = {"gsm8k": 5, "minerva_math": 4, "humaneval": 0, "mbpp": 3}
+
+PRESETS: dict[str, EvalPreset] = {
+    "table1": EvalPreset(
+        "table1",
+        "paper Table 1: block 32, steps = gen length, threshold 0.9; GSM8K 5-shot / 256, MATH 4-shot / 256, "
+        "HumanEval 0-shot / 512, MBPP 3-shot / 256",
+        {name: TaskSetting(shots, 512 if name == "humaneval" else 256) for name, shots in _TABLE1_SHOTS.items()},
+    ),
+    "table1-512": EvalPreset(
+        "table1-512",
+        "paper Table 1 with 512-token generations (the GSM8K-512 row): block 32, steps = 512, threshold 0.9",
+        {name: TaskSetting(shots, 512) for name, shots in _TABLE1_SHOTS.items()},
+        default_gen_length=512,
+    ),
+}
+
+
+def get_preset(name: str) -> EvalPreset:
+    """The preset registered as ``name``; a ValueError listing the presets otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown evaluation preset {name!r}; presets: {', '.join(PRESETS)}") from None

@@ -1,0 +1,88 @@
+"""`polestar bench` keeps finished items beside --json and resumes an interrupted run to the same result."""
+
+import json
+
+import pytest
+
+from polestar.bench import harness
+from polestar.bench.harness import format_table, run_bench
+from polestar.bench.item_log import check_writable, items_path
+from polestar.cli import main
+
+DECODING = dict(gen_length=32, block_length=16, steps=None, temperature=0.0, seed=0, stop_at_eos=True, compile=False)
+POLICIES = ["parallel", "fast-dllm"]
+ARGS = dict(batch_size=2, show_progress=False)
+
+
+def _run(json_out, resume=False):
+    return run_bench("tiny-llada", "arith", POLICIES, 6, {}, DECODING, json_out=str(json_out), resume=resume, **ARGS)
+
+
+def _without_time(summary):
+    return {p: {k: v for k, v in s.items() if k not in ("tps", "wall_s")} for p, s in summary.items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("full") / "full.json")
+
+
+def test_killed_run_resumes_to_the_same_table(tmp_path, monkeypatch, uninterrupted):
+    out = tmp_path / "run.json"
+    real, calls = harness.decode_batch, []
+
+    def dies_after_four_batches(*args, **kwargs):
+        if len(calls) == 4:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "decode_batch", dies_after_four_batches)
+    with pytest.raises(KeyboardInterrupt):
+        _run(out)
+    lines = items_path(out).read_text().splitlines()
+    assert len(lines) == 1 + 4 * 2  # header + four batches of two
+    with items_path(out).open("a") as f:
+        f.write('{"policy": "fast-dllm", "ind')  # a line cut short by the kill
+
+    calls.clear()
+    monkeypatch.setattr(harness, "decode_batch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    resumed = _run(out, resume=True)
+    assert len(calls) == 2  # only the batches that were not finished: 6 batches in all
+    assert resumed["items"] == uninterrupted["items"]
+    assert _without_time(resumed["summary"]) == _without_time(uninterrupted["summary"])
+    def table(summary):  # the printed table, with the wall-clock column (TPS) zeroed
+        return format_table({p: dict(s, tps=0.0) for p, s in summary.items()}, "t")
+
+    assert table(resumed["summary"]) == table(uninterrupted["summary"])
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    out = tmp_path / "run.json"
+    items_path(out).write_text(json.dumps({"header": {"model": "tiny-llada", "n": 99}}) + "\n")
+    with pytest.raises(ValueError, match="other settings.*n"):
+        _run(out, resume=True)
+
+
+def test_without_resume_old_items_are_dropped(tmp_path, uninterrupted):
+    out = tmp_path / "run.json"
+    items_path(out).write_text(json.dumps({"header": {"stale": True}}) + "\n")
+    result = _run(out)
+    assert result["items"] == uninterrupted["items"]
+    lines = items_path(out).read_text().splitlines()
+    assert "stale" not in lines[0] and len(lines) == 1 + 2 * 6
+
+
+def test_output_paths_checked_before_decoding(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(harness, "run_bench", lambda *a, **k: pytest.fail("decoded before checking the outputs"))
+    (tmp_path / "o.items.jsonl").mkdir()  # the items file beside --json cannot be written
+    code = main(["bench", "--n", "2", "--json", str(tmp_path / "o.json")])
+    assert code == 2
+    assert f"{tmp_path / 'o.items.jsonl'} is a folder" in capsys.readouterr().err
+    code = main(["bench", "--n", "2", "--plot", str(tmp_path)])
+    assert code == 2 and "is a directory" in capsys.readouterr().err
+    code = main(["bench", "--n", "2", "--resume"])
+    assert code == 2 and "--resume needs --json" in capsys.readouterr().err
+    check_writable([tmp_path / "ok.json", None])  # a writable path passes
+    with pytest.raises(ValueError, match="folder .*missing does not exist"):
+        check_writable([tmp_path / "missing" / "o.json"])
