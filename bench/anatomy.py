@@ -12,7 +12,10 @@ re-derived here), and counts, over every (row, step) of the current block:
 * the commits by origin: confidence ≥ τ, the row's top-1 below τ (the "always commit one" fallback), other
   commits below τ (what the adaptive rule adds), and suffix-block commits after the block;
 * for Polestar-Commit, band candidates that had a drift delta and those whose delta passed the gate
-  ``alpha (τ − c)²``.
+  ``alpha (τ − c)²``;
+* for each commit origin, how many of its committed tokens equal the reference answer's token at that position
+  (the task's canonical answer followed by the EOS fill): the precision of each kind of commit. A wrong token can
+  still give a correct final answer only where the task accepts several answers (not arith or sudoku).
 
 It reads tensors back to the host every step, so it is a diagnostic, not a way to time a policy. Command line:
 ``polestar anatomy --model tiny-llada --task arith --policies fast-dllm,polestar --n 100``.
@@ -29,7 +32,7 @@ import polestar
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit
 
-from .harness import load_problems, optional_overrides, run_policy
+from .harness import decode_batch, load_problems, optional_overrides, summarize
 from .tasks import get_task
 
 BIN_LABELS = ("<0.5", "0.5-lower", "band", ">=tau")
@@ -49,6 +52,8 @@ class CommitRecorder:
             raise ValueError(f"need 0.5 <= lower ({lower}) <= threshold ({tau})")
         self.tau, self.lower = float(tau), float(lower)
         self.counts: Counter[str] = Counter()
+        #: ``[B, G]`` reference tokens of the generation region for the batch being decoded, or None
+        self.reference: torch.Tensor | None = None
 
     @classmethod
     def for_rule(cls, rule: Any) -> CommitRecorder:
@@ -75,6 +80,24 @@ class CommitRecorder:
             c["delta_passed_gate"] += int(origins.early.sum())
         if origins.suffix is not None:
             c["suffix"] += int(origins.suffix.commit.sum())
+        if self.reference is not None:
+            self._count_right(record, taken, below, top1)
+
+    def _count_right(self, record, taken: torch.Tensor, below: torch.Tensor, top1: torch.Tensor) -> None:
+        """Commits of this step that equal :attr:`reference`, per origin (``right_<origin>``)."""
+        ref = self.reference
+        P = record.tokens_after.shape[1] - ref.shape[1]
+        right = record.tokens_after[:, P:] == ref  # [B, G]
+        in_block = right[:, record.block_start - P : record.block_end - P]
+        c = self.counts
+        c["right_confident"] += int((taken & (record.confidence >= self.tau) & in_block).sum())
+        c["right_top1_below_tau"] += int((below & top1 & in_block).sum())
+        c["right_other_below_tau"] += int((below & ~top1 & in_block).sum())
+        suffix = record.origins.suffix
+        if suffix is not None:
+            # positions of entries that do not commit may lie in the prompt: clamp them, they are masked out anyway
+            at = right.gather(1, (suffix.positions - P).clamp_min(0))
+            c["right_suffix"] += int((suffix.commit & at).sum())
 
 
 def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
@@ -93,10 +116,17 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
         raise ValueError(f"{model_name} has no tokenizer.json; task prompts and answers need one")
     problems = load_problems(task_name, n, data)
     out: dict[str, dict[str, float]] = {}
+    gen_length = decoding.get("gen_length", 64)
     for name, pipeline in pipelines.items():
         recorder = CommitRecorder.for_rule(pipeline.commit)
-        _, summary = run_policy(model, task, problems, pipeline, {}, {**decoding, "on_step": recorder}, batch_size)
-        row = {label: recorder.counts[label] for label in ("row_steps", "candidates", *BIN_LABELS, *COMMIT_LABELS)}
+        records = []
+        for start in range(0, len(problems), batch_size):
+            chunk = problems[start : start + batch_size]
+            recorder.reference = reference_tokens(model, chunk, gen_length)
+            records += decode_batch(model, task, chunk, pipeline, {}, {**decoding, "on_step": recorder})[0]
+        summary = summarize(records, pipeline.describe())
+        labels = ("row_steps", "candidates", *BIN_LABELS, *COMMIT_LABELS, *(f"right_{o}" for o in COMMIT_LABELS))
+        row = {label: recorder.counts[label] for label in labels}
         if isinstance(pipeline.commit, PolestarCommit):
             row["band_with_delta"] = recorder.counts["band_with_delta"]
             row["delta_passed_gate"] = recorder.counts["delta_passed_gate"]
@@ -105,12 +135,28 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
     return out
 
 
+def reference_tokens(model, problems, gen_length: int) -> torch.Tensor:
+    """``[B, gen_length]`` token ids of each problem's reference answer followed by the EOS fill (the target
+    layout of the generation region)."""
+    tok, eos = model.tokenizer, model.spec.eos_id
+    ref = torch.full((len(problems), gen_length), eos, dtype=torch.long)
+    for i, prob in enumerate(problems):
+        ids = tok.encode(prob.output, add_special_tokens=False)[:gen_length]
+        ref[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return ref.to(model.device)
+
+
 def format_anatomy(result: dict[str, dict[str, float]], title: str) -> str:
     """A table: candidate shares per confidence bin and commits per origin, one row per policy."""
     head = (f"{'policy':16s} {'acc':>6s} {'TPF':>5s} {'cand.':>7s} {'<0.5':>6s} {'0.5-lo':>6s} {'band':>6s} "
             f"{'>=tau':>6s} {'c>=tau':>7s} {'top1<tau':>8s} {'other<tau':>9s} {'suffix':>6s} {'gate':>9s}")
     lines = [title, head, "-" * len(head)]
+    precision = []
     for name, r in result.items():
+        if "right_confident" in r:
+            cells = [f"{o} {r[f'right_{o}']}/{r[o]}" + (f" ({100 * r[f'right_{o}'] / r[o]:.1f}%)" if r[o] else "")
+                     for o in COMMIT_LABELS]
+            precision.append(f"  {name:16s} " + "; ".join(cells))
         cand = max(r["candidates"], 1)
         shares = " ".join(f"{100 * r[b] / cand:5.1f}%" for b in BIN_LABELS)
         gate = f"{r['delta_passed_gate']}/{r['band_with_delta']}" if "band_with_delta" in r else "-"
@@ -118,4 +164,6 @@ def format_anatomy(result: dict[str, dict[str, float]], title: str) -> str:
             f"{name:16s} {100 * r['accuracy']:5.1f}% {r['tpf']:5.2f} {r['candidates']:7d} {shares} "
             f"{r['confident']:7d} {r['top1_below_tau']:8d} {r['other_below_tau']:9d} {r['suffix']:6d} {gate:>9s}"
         )
+    if precision:
+        lines += ["commits equal to the reference answer's token, per origin:", *precision]
     return "\n".join(lines)

@@ -57,3 +57,35 @@ def test_bad_arguments_fail_before_decoding(capsys):
     assert "unknown policy" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least 1"):
         commit_anatomy("tiny-llada", "arith", ["fast-dllm"], 0, {}, DECODING)
+
+
+def test_right_counts_never_exceed_commits(anatomy):
+    for row in anatomy.values():
+        for origin in ("confident", "top1_below_tau", "other_below_tau", "suffix"):
+            assert 0 <= row[f"right_{origin}"] <= row[origin]
+    assert "equal to the reference" in format_anatomy(anatomy, "t")
+
+
+def test_right_counts_compare_each_commit_with_the_reference_at_its_column():
+    import torch
+
+    from polestar.bench.anatomy import CommitRecorder
+    from polestar.state import CommitOrigins, StepRecord, SuffixCommit
+
+    # prompt of 2 columns, generation of 4 (block = columns 2..3, then a suffix column 5); reference gen 7 8 9 9
+    recorder = CommitRecorder(0.9, 0.7)
+    recorder.reference = torch.tensor([[7, 8, 9, 9]])
+    before = torch.tensor([[1, 1, 0, 0, 0, 0]])
+    after = torch.tensor([[1, 1, 7, 5, 0, 9]])  # column 2 right (confident), 3 wrong (early, below τ), 5 right
+    conf = torch.tensor([[0.95, 0.6]], dtype=torch.float64)
+    masked = torch.tensor([[True, True]])
+    rule = torch.tensor([[True, True]])
+    forced = torch.tensor([[False, False]])
+    suffix = SuffixCommit(torch.tensor([[5]]), torch.tensor([[9]]), torch.tensor([[0.95]]), torch.tensor([[True]]))
+    origins = CommitOrigins(rule, forced, None, None, suffix)
+    recorder(StepRecord(0, 0, 0, 2, 4, None, torch.tensor([True]), masked, conf, before, after,
+                        after != before, origins))
+    c = recorder.counts
+    assert (c["confident"], c["right_confident"]) == (1, 1)
+    assert (c["other_below_tau"], c["right_other_below_tau"]) == (1, 0)
+    assert (c["suffix"], c["right_suffix"]) == (1, 1)
