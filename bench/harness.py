@@ -100,19 +100,20 @@ def format_table(summary: dict[str, dict], title: str) -> str:
 
 
 def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
-    """Accuracy against TPF, one point per policy, the Pareto front joined."""
+    """Accuracy against TPF, one point per policy with its 95% Wilson interval as an error bar, the Pareto front
+    (best accuracy at each TPF, on the point estimates) joined."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    pts = sorted((s["tpf"], 100 * s["accuracy"], name) for name, s in summary.items())
-    for tpf, acc, name in pts:
-        ax.scatter(tpf, acc)
+    pts = sorted((s["tpf"], 100 * s["accuracy"], name, s["accuracy_ci95"]) for name, s in summary.items())
+    for tpf, acc, name, (lo, hi) in pts:
+        ax.errorbar(tpf, acc, yerr=[[max(acc - 100 * lo, 0.0)], [max(100 * hi - acc, 0.0)]], fmt="o", capsize=3)
         ax.annotate(name, (tpf, acc), fontsize=8, xytext=(3, 3), textcoords="offset points")
     front, best = [], -1.0
-    for tpf, acc, _ in sorted(pts, key=lambda t: -t[0]):
+    for tpf, acc, _, _ in sorted(pts, key=lambda t: -t[0]):
         if acc > best:
             front.append((tpf, acc))
             best = acc
@@ -120,7 +121,7 @@ def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
         xs, ys = zip(*sorted(front))
         ax.plot(xs, ys, "--", alpha=0.5)
     ax.set_xlabel("tokens per forward (TPF)")
-    ax.set_ylabel("accuracy (%)")
+    ax.set_ylabel("accuracy (%), 95% interval")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -5,7 +5,7 @@
 # Usage: bash bench/run_sweep.sh [N]   (MODELS="tiny-llada", TASKS="sudoku" to run part of it)
 set -euo pipefail
 N=${1:-200}
-OUT=docs/results
+OUT=docs/results          # the tables (committed)
 RAW=${RAW:-runs/sweep}
 mkdir -p "$OUT" "$RAW"
 # label and --set options of each polestar-cache run (label "default": the paper's values)

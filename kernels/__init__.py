@@ -4,7 +4,6 @@
 * :mod:`polestar.kernels.kmeans` - batched spherical k-means and the "chunks" grouping.
 * :mod:`polestar.kernels.quant` - NVFP4 / FP8 / identity quantizers for cluster residuals.
 * :mod:`polestar.kernels.proxy_attention` - attention probabilities of probe (proxy) queries.
-* :mod:`polestar.kernels.gathered_attention` - masked GQA attention of the active positions.
 
 Each op has a pure-torch ``reference_*`` function, a Triton ``*_triton`` kernel with the same
 signature (optional: Triton need not be installed) and a dispatcher taking

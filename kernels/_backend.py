@@ -14,7 +14,7 @@ how the tests exercise them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -26,7 +26,6 @@ try:  # pragma: no cover - exercised implicitly by the import
 except ImportError:  # pragma: no cover - triton is installed in CI
     HAS_TRITON = False
 
-Backend = Literal["auto", "triton", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
 
 F = TypeVar("F", bound=Callable)
@@ -64,15 +63,3 @@ def next_pow2(n: int) -> int:
     """Smallest power of two >= ``max(n, 1)`` (Triton block sizes must be powers of two)."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
-
-def is_interpreted(kernel: object) -> bool:
-    """True if ``kernel`` is a Triton ``InterpretedFunction`` (decorated under ``TRITON_INTERPRET=1``).
-
-    Lets a wrapper work around interpreter-only gaps (e.g. ``tl.dot`` on bf16 tiles) while the
-    compiled GPU path keeps the native code.  False when Triton is not importable.
-    """
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        return False
-    return isinstance(kernel, InterpretedFunction)

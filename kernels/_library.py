@@ -35,11 +35,8 @@ NAMESPACE = "polestar"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-REGISTERED: list[str] = []
-"""Qualified names (``"polestar::kl_drift"`` ...) of the operators registered so far."""
-
-
-def _existing(name: str) -> bool:
+def is_registered(name: str) -> bool:
+    """True if the operator ``polestar::<name>`` exists (registered by this module or earlier)."""
     try:
         getattr(getattr(torch.ops, NAMESPACE), name)
     except (AttributeError, RuntimeError):
@@ -61,11 +58,9 @@ def register_op(name: str, fake: Callable[..., Any]) -> Callable[[F], F]:
         qualname = f"{NAMESPACE}::{name}"
         if not HAS_TRITON:
             return fn
-        if not _existing(name):
+        if not is_registered(name):
             op = torch.library.custom_op(qualname, fn, mutates_args=())
             op.register_fake(fake)
-        if qualname not in REGISTERED:
-            REGISTERED.append(qualname)
         return fn
 
     return deco

@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .backbone import DiffusionLM
 from .dream import Dream, dream_config, dream_spec
 from .llada import LLaDA, llada_config, llada_spec
+from .safetensors_io import TensorEntry, read_header, read_into
 from .spec import ModelSpec
+from .text import check_mask_id, load_tokenizer, text_defaults
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 
@@ -83,58 +84,63 @@ def family_of(cfg: dict[str, Any], where: Path) -> str:
     return model_type
 
 
-def _tensor_files(directory: Path) -> dict[str, Path]:
-    """Map tensor name → safetensors file, from ``model.safetensors`` or a sharded index."""
+def _tensor_entries(directory: Path) -> dict[str, TensorEntry]:
+    """Map tensor name → :class:`TensorEntry` from ``model.safetensors`` or a sharded index (headers only)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{index} is not valid JSON ({err}); re-download or re-export it") from err
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no 'weight_map' object")
-        files = {name: directory / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise FileNotFoundError(f"{index} names shard {shard.name}, which is missing from {directory}")
-        return files
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (directory / shard).is_file():
+                raise FileNotFoundError(f"{index} names shard {shard}, which is missing from {directory}; "
+                                        "download every shard the index lists")
+        entries: dict[str, TensorEntry] = {}
+        for shard in shards:
+            header = read_header(directory / shard)
+            entries.update({name: e for name, e in header.items() if weight_map.get(name) == shard})
+        return entries
     single = directory / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
+        return read_header(single)
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise ValueError(f"{directory} holds only pickled weights (*.bin/*.pt), which polestar never loads; convert them to safetensors")
     raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
 
 
+def checkpoint_dtype(cfg: dict[str, Any]) -> torch.dtype:
+    """The dtype a checkpoint was published in (config.json ``torch_dtype``; float32 when absent or unknown)."""
+    return _DTYPES.get(str(cfg.get("torch_dtype", "float32")), torch.float32)
+
+
 def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
     """Load an LLaDA or Dream checkpoint directory strictly: every parameter present with its exact shape.
 
-    Raises one error naming every missing, unexpected or mis-shaped tensor. The tokenizer (``tokenizer.json``),
-    when present, is attached as ``model.tokenizer``.
+    ``dtype`` None: the checkpoint's ``torch_dtype``. The model is built on the meta device, allocated once in
+    its final dtype on ``device``, and each tensor is read from its shard straight into its parameter (see
+    :func:`polestar.models.safetensors_io.read_into`), shard by shard: host memory stays near the weights' size.
+    Raises one error naming every missing, unexpected or mis-shaped tensor, before any weight is read. The
+    tokenizer, when present, is attached as ``model.tokenizer`` (see :func:`attach_text`).
     """
     directory = resolve_checkpoint(path_or_name)
-    dtype = resolve_dtype(dtype)
     cfg = read_config(directory)
+    dtype = checkpoint_dtype(cfg) if dtype is None else resolve_dtype(dtype)
     family = family_of(cfg, directory)
     spec_fn, cls, _ = FAMILIES[family]
     spec = spec_fn(cfg)
-    files = _tensor_files(directory)
+    entries = _tensor_entries(directory)
     with torch.device("meta"):
         model = cls(spec)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    names = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
+    names = {n for n in entries if not n.endswith(_IGNORED_SUFFIXES)}
     missing = sorted(set(expected) - names)
     unexpected = sorted(names - set(expected))
-    tensors: dict[str, torch.Tensor] = {}
-    misshaped = []
-    by_file: dict[Path, list[str]] = {}
-    for name in sorted(names & set(expected)):
-        by_file.setdefault(files[name], []).append(name)
-    for file, members in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in members:
-                t = f.get_tensor(name)
-                if tuple(t.shape) != expected[name]:
-                    misshaped.append(f"{name} has shape {tuple(t.shape)}, expected {expected[name]}")
-                tensors[name] = t
+    misshaped = [f"{n} has shape {entries[n].shape}, expected {expected[n]}"
+                 for n in sorted(names & set(expected)) if entries[n].shape != expected[n]]
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
@@ -147,23 +153,30 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None,
             f"checkpoint {directory} does not match its config.json ({family}): " + " | ".join(problems)
             + ". Re-export the checkpoint or fix config.json."
         )
-    model = model.to_empty(device=device)
-    model.load_state_dict({k: t.to(dtype) for k, t in tensors.items()}, strict=True)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    state = model.state_dict(keep_vars=True)
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(expected, key=lambda n: entries[n].start):
+        by_file.setdefault(entries[name].file, []).append(name)
+    with torch.no_grad():
+        for file, members in by_file.items():
+            with open(file, "rb", buffering=0) as f:
+                for name in members:
+                    read_into(f, entries[name], state[name].data)
     model.rotary.inv_freq = (1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))).to(device)
-    model.to(dtype=dtype).eval()
-    model.rotary.inv_freq = model.rotary.inv_freq.float()
-    model.tokenizer = _load_tokenizer(directory)
+    model.eval()
+    attach_text(model, directory)
     model.name_or_path = str(directory)
     return model
 
 
-def _load_tokenizer(directory: Path):
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
+def attach_text(model: DiffusionLM, directory: Path) -> None:
+    """Attach the checkpoint's tokenizer (``model.tokenizer``) and stop ids / decoding defaults
+    (``model.text_defaults``); raises ValueError when the tokenizer's mask token contradicts config.json."""
+    tokenizer = load_tokenizer(directory)
+    check_mask_id(directory, tokenizer, model.spec.mask_id)
+    model.tokenizer = tokenizer
+    model.text_defaults = text_defaults(directory, tokenizer, model.spec.eos_id)
 
 
 def save_model(model: DiffusionLM, directory: str | Path, tokenizer=None, shard_size: int | None = None) -> Path:
@@ -191,8 +204,8 @@ def save_model(model: DiffusionLM, directory: str | Path, tokenizer=None, shard_
         (directory / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
         )
-    if tokenizer is not None:
-        tokenizer.save(str(directory / "tokenizer.json"))
+    if tokenizer is not None:  # a tokenizers.Tokenizer, or a transformers tokenizer wrapping one
+        getattr(tokenizer, "backend_tokenizer", tokenizer).save(str(directory / "tokenizer.json"))
     return directory
 
 

@@ -1,5 +1,8 @@
 """Polestar: drift-aware cache calibration and token commitment for diffusion language models."""
 
+# The façade is the composition root: importing the built-in stages registers them (and the named policies
+# composed from them). Core modules never import a policy; every ``polestar.*`` import runs this file first.
+from . import policies as _builtin_policies  # noqa: F401  (registration side effect)
 from .api import GenerationOutput, encode_prompts, generate, load
 from .config import GenerationConfig
 from .policy import assemble, get_policy, policy_names

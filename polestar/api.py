@@ -11,6 +11,7 @@ import torch
 
 from polestar.models.backbone import DiffusionLM
 from polestar.models.loading import load_model
+from polestar.models.text import chat_prompt_ids, decode_texts, encode_text
 
 from .config import GenerationConfig
 from .engine import decode
@@ -18,11 +19,13 @@ from .policy import Pipeline, assemble
 from .stats import RunStats
 
 
-def load(path: str | Path, dtype: torch.dtype | str | None = torch.float32, device: str | torch.device = "cpu") -> DiffusionLM:
+def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
     """Load an LLaDA or Dream checkpoint: a Hugging Face-format directory or a shipped name (``"tiny-llada"``).
 
-    ``dtype``: float32, bfloat16 or float16. Weights come from safetensors only; ``tokenizer.json`` is attached as
-    ``model.tokenizer`` when present.
+    ``dtype``: float32, bfloat16 or float16; None (default) keeps the checkpoint's ``torch_dtype``. Weights come
+    from safetensors only, read straight into the model's memory (peak host memory about the weights' size). The checkpoint's tokenizer is
+    attached as ``model.tokenizer`` (a ``transformers.PreTrainedTokenizerBase``, or None without tokenizer files)
+    and its stop tokens / decoding defaults (``generation_config.json``) as ``model.text_defaults``.
     """
     return load_model(path, dtype=dtype, device=device)
 
@@ -32,9 +35,11 @@ class GenerationOutput:
     """Result of :func:`generate`.
 
     ``tokens``: LongTensor ``[B, prompt_len + gen_length]`` (prompts right-aligned, left padding with the pad id);
-    ``texts``: decoded generations (up to the first EOS) when the checkpoint has a tokenizer, else None;
+    ``texts``: decoded generations (up to the first stop token, without special tokens) when the checkpoint has
+    a tokenizer, else None;
     ``stats``: :class:`~polestar.stats.RunStats`; ``prompt_len``: column where generation starts;
-    ``pipeline``: the assembled stages and their options.
+    ``pipeline``: the assembled stages and their options; ``prompt_ids``: each prompt's token ids without
+    padding (after the chat template when ``chat=True``).
     """
 
     tokens: torch.Tensor
@@ -42,6 +47,7 @@ class GenerationOutput:
     stats: RunStats
     prompt_len: int
     pipeline: Pipeline
+    prompt_ids: list[list[int]] | None = None
 
     @property
     def generations(self) -> torch.Tensor:
@@ -49,8 +55,12 @@ class GenerationOutput:
         return self.tokens[:, self.prompt_len :]
 
 
-def encode_prompts(model: DiffusionLM, prompts: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts (strings, token-id lists or a LongTensor ``[B, L]``) → left-padded ids ``[B, P]`` and mask ``[B, P]``."""
+def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (strings, token-id lists or a LongTensor ``[B, L]``) → left-padded ids ``[B, P]`` and mask ``[B, P]``.
+
+    ``chat=True`` wraps each string prompt as a user turn (after an optional ``system`` turn) in the checkpoint's
+    chat template, ending with the assistant header.
+    """
     spec = model.spec
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -66,12 +76,18 @@ def encode_prompts(model: DiffusionLM, prompts: Any) -> tuple[torch.Tensor, torc
         if all(isinstance(p, str) for p in prompts):
             tok = getattr(model, "tokenizer", None)
             if tok is None:
-                raise ValueError("string prompts need a checkpoint with tokenizer.json; pass token ids instead")
-            rows = [tok.encode(p).ids for p in prompts]
+                raise ValueError("string prompts need a checkpoint with tokenizer files (tokenizer.json or "
+                                 "tokenizer_config.json); pass token ids instead")
+            if chat:
+                rows = [chat_prompt_ids(tok, p, system) for p in prompts]
+            else:
+                rows = [encode_text(tok, p) for p in prompts]
         elif all(isinstance(p, Sequence) and not isinstance(p, str) for p in prompts):
             rows = [list(map(int, p)) for p in prompts]
         else:
             raise ValueError("prompts must be all strings or all token-id lists")
+        if chat and not all(isinstance(p, str) for p in prompts):
+            raise ValueError("chat=True formats string prompts; pass strings, or token ids with chat=False")
     else:
         raise ValueError(f"prompts must be strings, token-id lists or a LongTensor, got {type(prompts).__name__}")
     if len(rows) == 0:
@@ -98,11 +114,13 @@ def generate(
     gen_length: int = 256,
     block_length: int = 32,
     steps: int | None = None,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     seed: int = 0,
     threshold: float | None = None,
     stop_at_eos: bool = True,
     compile: bool = False,
+    chat: bool = False,
+    system: str | None = None,
     **overrides: Any,
 ) -> GenerationOutput:
     """Decode ``prompts`` with ``policy``: a registered policy name (see ``polestar policies``) or a
@@ -112,8 +130,15 @@ def generate(
     (``refresh="prefix"``); every value is validated before any work starts. ``threshold`` is the confidence
     threshold of the threshold-based commit rules; policies without one (``baseline``) ignore it, so one call
     can sweep every policy. ``compile=True`` runs each step's forward through ``torch.compile`` (CUDA graphs on
-    CUDA); tokens are the same as eager.
+    CUDA); tokens are the same as eager. ``chat=True`` applies the checkpoint's chat template to string prompts
+    (``system``: optional system turn). A sequence stops at EOS or at the chat format's end-of-turn token
+    (``model.text_defaults.stop_ids``). ``temperature`` None takes ``generation_config.json``'s value, else 0.
     """
+    defaults = getattr(model, "text_defaults", None)
+    if temperature is None:
+        temperature = defaults.decoding.get("temperature", 0.0) if defaults is not None else 0.0
+    if system is not None and not chat:
+        raise ValueError("system= is the system turn of a chat prompt; pass chat=True with it")
     config = GenerationConfig(gen_length, block_length, steps, temperature, seed, stop_at_eos)
     if isinstance(policy, Pipeline):
         if overrides or threshold is not None:
@@ -124,25 +149,16 @@ def generate(
         if threshold is not None:
             overrides.setdefault("threshold?", threshold)
         pipeline = assemble(policy, overrides)
-    ids, mask = encode_prompts(model, prompts)
+    ids, mask = encode_prompts(model, prompts, chat=chat, system=system)
     total = ids.shape[1] + gen_length
     if total > model.spec.max_seq_len:
         raise ValueError(
             f"prompt length {ids.shape[1]} + gen_length {gen_length} = {total} exceeds the model's context "
             f"({model.spec.max_seq_len}); shorten the prompt or lower gen_length"
         )
-    tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile)
-    texts = _decode_texts(model, tokens[:, ids.shape[1] :])
-    return GenerationOutput(tokens, texts, stats, ids.shape[1], pipeline)
-
-
-def _decode_texts(model: DiffusionLM, gen: torch.Tensor) -> list[str] | None:
+    stop_ids = defaults.stop_ids if defaults is not None else (model.spec.eos_id,)
+    tokens, stats = decode(model, ids, mask, pipeline, config, compile=compile, stop_ids=stop_ids)
     tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        return None
-    eos = model.spec.eos_id
-    texts = []
-    for row in gen.tolist():
-        cut = row.index(eos) if eos in row else len(row)
-        texts.append(tok.decode(row[:cut], skip_special_tokens=False))
-    return texts
+    texts = None if tok is None else decode_texts(tok, tokens[:, ids.shape[1] :].tolist(), stop_ids)
+    prompt_ids = [row[m].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+    return GenerationOutput(tokens, texts, stats, ids.shape[1], pipeline, prompt_ids)

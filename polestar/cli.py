@@ -42,7 +42,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                    help="decode every block even after a sequence has committed its EOS (as LLaDA's and Fast-dLLM's "
                         "reference loops do); by default a sequence stops there")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights' dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="compile each step with torch.compile")
 
@@ -64,21 +65,55 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
 
 
+#: settings of `generate` a preset gives when the flag is absent, and their values without a preset (temperature
+#: None: generation_config.json's, else 0; steps stay None = one step per token, the paper's steps = gen length)
+_PRESET_FLAGS = {"policy": "fast-dllm", "gen_length": 64, "block_length": 16, "temperature": None}
+
+
+def _preset_for(args, model):
+    """`--preset NAME`, or with `--preset auto` the preset recognised from the checkpoint's config.json."""
+    from polestar import presets
+    from polestar.models.loading import read_config
+
+    if args.preset == "none":
+        return None
+    if args.preset != "auto":
+        return presets.get_preset(args.preset)
+    directory = Path(model.name_or_path)
+    return presets.preset_for_config(read_config(directory), directory)
+
+
 def cmd_generate(args) -> int:
     import polestar
+    from polestar import presets
 
+    if args.preset not in ("auto", "none"):
+        presets.get_preset(args.preset)  # an unknown name fails before the (slow) load
     model = polestar.load(args.model, dtype=args.dtype, device=args.device)
+    preset = _preset_for(args, model)
+    given = {"policy": preset.policy, **preset.decoding} if preset is not None else {}
+    for key, fallback in _PRESET_FLAGS.items():  # explicit flags win over the preset
+        if getattr(args, key) is None:
+            setattr(args, key, given.get(key, fallback))
+    user = parse_sets(args.set)
+    mine = {k.rstrip("?") for k in user}
+    options = {k: v for k, v in (preset.options.items() if preset is not None else ()) if k.rstrip("?") not in mine}
+    options.update(user)
+    if preset is not None:
+        print(f"[preset {preset.name}] {preset.description}", file=sys.stderr)
     prompts = args.prompt
     if args.task:
         from polestar.bench.tasks import get_task
 
         prompts = [get_task(args.task).format_prompt(p) for p in args.prompt]
-    out = polestar.generate(model, prompts, policy=args.policy, **decoding_from_args(args), **parse_sets(args.set))
+    out = polestar.generate(model, prompts, policy=args.policy, chat=args.chat, system=args.system,
+                            **decoding_from_args(args), **options)
     if args.json:
         print(json.dumps({
             "policy": args.policy,
             "stages": out.pipeline.describe(),
             "tokens": out.tokens.tolist(),
+            "prompt_ids": out.prompt_ids,
             "prompt_len": out.prompt_len,
             "texts": out.texts,
             "stats": out.stats.as_dict(),
@@ -93,8 +128,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_presets(args) -> int:
+    from polestar import presets
+
+    info = {name: presets.get_preset(name).as_dict() for name in presets.preset_names()}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for name, p in info.items():
+        decoding = ", ".join(f"{k}={v}" for k, v in p["decoding"].items())
+        options = ", ".join(f"{k.rstrip('?')}={v}" for k, v in p["options"].items())
+        print(f"{name:22s} policy={p['policy']} {decoding}\n{'':22s} {options}\n{'':22s} {p['description']}")
+    return 0
+
+
 def cmd_policies(args) -> int:
-    from polestar import policy, registry
+    from polestar import policy, presets, registry
 
     info = {
         "policies": {
@@ -108,6 +157,7 @@ def cmd_policies(args) -> int:
             }
             for kind in registry.KINDS
         },
+        "presets": {name: presets.get_preset(name).as_dict() for name in presets.preset_names()},
     }
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -121,6 +171,9 @@ def cmd_policies(args) -> int:
         for name, cfg in stages.items():
             opts = ", ".join(f"{k}={v}" for k, v in cfg.items()) or "-"
             print(f"  {kind:8s} {name:14s} {opts}")
+    print("presets (`polestar presets` for their settings):")
+    for name, p in info["presets"].items():
+        print(f"  {name:22s} {p['description']}")
     return 0
 
 
@@ -156,9 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny-llada", help="checkpoint directory or shipped name (tiny-llada, tiny-dream)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     g.add_argument("--task", default=None, help="format each prompt with this task's prompt layout (e.g. arith)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user turn in the checkpoint's chat template (instruct models)")
+    g.add_argument("--system", default=None, help="system turn before the prompt (with --chat)")
     _add_decoding_args(g)
+    g.add_argument("--preset", default="auto",
+                   help="decoding settings of a published model (see `polestar presets`); 'auto' picks one from the "
+                        "checkpoint's config.json when it is a published model, 'none' never; flags override it")
     g.add_argument("--json", action="store_true", help="print one JSON object with tokens, texts and stats")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, policy=None, gen_length=None, block_length=None, temperature=None)
+    pr = sub.add_parser("presets", help="list the presets of the published models (paper settings)")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_presets)
     p = sub.add_parser("policies", help="list policies and stages with their options")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_policies)

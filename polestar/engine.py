@@ -24,12 +24,13 @@ def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, gene
     return Prediction(tokens, conf.masked_fill(~masked, float("-inf")), logits)
 
 
-def eos_finished(gen: torch.Tensor, mask_id: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows whose generation ``gen [B, G]`` holds an EOS with every earlier position committed.
+def eos_finished(gen: torch.Tensor, mask_id: int, stop_ids: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose generation ``gen [B, G]`` holds a stop token (EOS, or any id of the LongTensor ``stop_ids [S]``
+    on ``gen``'s device, e.g. EOS and end-of-turn) with every earlier position committed. No host sync.
 
-    Returns ``(finished [B] bool, fill [B, G] bool)`` where ``fill`` marks the masked positions after that EOS.
+    Returns ``(finished [B] bool, fill [B, G] bool)`` where ``fill`` marks the masked positions after that stop.
     """
-    is_eos = gen == eos_id
+    is_eos = gen == stop_ids if isinstance(stop_ids, int) else torch.isin(gen, stop_ids)
     has_eos = is_eos.any(dim=1)
     first = torch.where(has_eos, is_eos.long().argmax(dim=1), gen.shape[1])
     col = torch.arange(gen.shape[1], device=gen.device)[None, :]
@@ -47,8 +48,12 @@ def decode(
     pipeline: Pipeline,
     config: GenerationConfig,
     compile: bool = False,
+    stop_ids: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, RunStats]:
     """Generate for left-padded ``prompt_ids [B, P]`` with ``attention_mask [B, P]``.
+
+    ``stop_ids``: tokens that end a sequence (default: the model's EOS); after the first one every later masked
+    position is filled with EOS.
 
     Returns tokens ``[B, P + gen_length]`` and :class:`RunStats`. Each sequence finishes on its own (see
     :class:`GenerationConfig.stop_at_eos`); finished sequences are dropped from the working batch at the next block
@@ -79,6 +84,7 @@ def decode(
     block_cols = torch.arange(bl, device=device)
     runner = StepRunner(compile, device)
     runner.mark_static(cache)
+    stops = torch.tensor(stop_ids or (spec.eos_id,), dtype=torch.long, device=device)
     start_time = time.perf_counter()
     for block in range(config.num_blocks):
         if bool(finished.any()):
@@ -125,7 +131,7 @@ def decode(
             nfe[rows] += state.active.long()
             calls += 1
             if config.stop_at_eos:
-                done, fill = eos_finished(state.x[:, P:], spec.mask_id, spec.eos_id)
+                done, fill = eos_finished(state.x[:, P:], spec.mask_id, stops)
                 state.x[:, P:] = state.x[:, P:].masked_fill(fill, spec.eos_id)
                 finished |= done
             state.step += 1

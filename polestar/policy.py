@@ -35,7 +35,6 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
 
 
 def policy_names() -> list[str]:
-    registry._ensure_loaded()
     return sorted(_POLICIES)
 
 

@@ -2,6 +2,10 @@
 
 A stage class declares ``Config`` (a frozen attrs class) and is built as ``cls(cls.Config(**options))``.
 Lookups happen when a pipeline is assembled, never inside a decoding step.
+
+The registry imports no stage: stage modules register themselves when imported. The built-in stages
+(``polestar.policies``) are imported by the package façade ``polestar/__init__.py``, which runs before any
+``polestar.*`` module, so they are always registered and the core never imports a policy (no import cycle).
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ def register(kind: str, name: str) -> Callable[[type[T]], type[T]]:
 
 def names(kind: str) -> list[str]:
     """Registered names of ``kind``, sorted."""
-    _ensure_loaded()
     if kind not in _REGISTRY:
         raise UnknownNameError(f"unknown stage kind {kind!r}; kinds: {', '.join(KINDS)}")
     return sorted(_REGISTRY[kind])
@@ -75,7 +78,3 @@ def build(kind: str, name: str, **options: Any):
         raise ValueError(f"{kind} stage {name!r} has no option(s) {unknown}; its options: {sorted(known)}")
     return cls(cls.Config(**options))
 
-
-def _ensure_loaded() -> None:
-    # Importing the policies package registers the built-in stages.
-    import polestar.policies  # noqa: F401

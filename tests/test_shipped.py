@@ -4,13 +4,12 @@ import pytest
 
 import polestar
 from polestar.bench.tasks import get_task, split
-from polestar.models.loading import shipped_checkpoints
 
 
 @pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
-def shipped(request):
-    assert request.param in shipped_checkpoints()
-    return polestar.load(request.param)
+def shipped(request, shipped_models):
+    assert request.param in shipped_models
+    return shipped_models[request.param]
 
 
 def test_shipped_checkpoints_decode_under_every_policy(shipped):
@@ -31,11 +30,12 @@ def test_shipped_checkpoint_has_the_real_tensor_names(shipped):
         assert "model.layers.0.self_attn.q_proj.bias" in names and "lm_head.weight" in names
 
 
-@pytest.mark.parametrize("task_name, n, bound", [("arith", 40, 36), ("sudoku", 20, 10)])
+@pytest.mark.parametrize("task_name, n, bound", [("arith", 16, 14), ("sudoku", 20, 10)])
 def test_shipped_checkpoints_solve_tasks(shipped, task_name, n, bound):
     """The ground truth is real: one-token-per-step decoding solves most held-out problems (n = 500 in
-    docs/results.md: arith 100.0% / 99.4%, sudoku 74.2% / 88.0% for tiny-llada / tiny-dream; the bounds here are
-    set well below to stay robust on a small sample)."""
+    docs/results.md: arith 100.0% / 99.4%, sudoku 74.2% / 88.0% for tiny-llada / tiny-dream; here 16/16 arith
+    and 15/20, 16/20 sudoku; the bounds are set below to stay robust on a small sample). Arith decodes 48 steps
+    over the whole sequence per problem, the cost of this module: n is kept small."""
     task = get_task(task_name)
     problems = split(task, n, "test", seed=0)
     out = polestar.generate(shipped, [task.format_prompt(p.input) for p in problems], policy="baseline",

@@ -1,4 +1,4 @@
-"""Fast checks of the training script (polestar.models.train): the loss goes down and checkpoints round-trip."""
+"""Fast checks of the training script (polestar.training.train): the loss goes down and checkpoints round-trip."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from polestar.bench.tasks.arith import solve
 from polestar.bench.tasks.base import PROMPT_WIDTH
 from polestar.models.loading import load_model
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
-from polestar.models.train import (
+from polestar.training.train import (
     DEFAULT_MIXTURE,
     GEN,
     Batcher,

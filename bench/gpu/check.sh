@@ -1,5 +1,13 @@
 #!/usr/bin/env bash
-# One-shot GPU check (see check.py). Run from the repository root on a machine with one H100/H200.
+# One-shot GPU check (see check.py): writes an LLaDA-8B-shaped checkpoint, loads it onto the GPU, and times
+# baseline / fast-dllm / polestar eager and compiled at batch 1 and 16. Run from anywhere on a machine with one
+# H100/H200. Stops at the first failing command. POLESTAR_SKIP_INSTALL=1 skips the editable install (offline
+# machines where the package is already installed); extra arguments go to check.py (e.g. --tiny --device cpu).
 set -euo pipefail
-python -m pip install -q -e '.[triton]' 2>/dev/null || true
-timeout 480 python bench/gpu/check.py "$@"
+cd "$(dirname "$0")/../.."
+PYTHON="${PYTHON:-python}"
+if [[ "${POLESTAR_SKIP_INSTALL:-0}" != 1 ]]; then
+    "$PYTHON" -m pip install -q -e '.[triton]'
+fi
+"$PYTHON" -c 'import polestar, torch; print(f"# polestar from {polestar.__file__}; torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
+timeout "${POLESTAR_CHECK_TIMEOUT:-480}" "$PYTHON" bench/gpu/check.py "$@"

@@ -1,10 +1,9 @@
-"""Tests for ``polestar.kernels.proxy_attention`` and ``polestar.kernels.gathered_attention``.
+"""Tests for ``polestar.kernels.proxy_attention``.
 
-References are checked against a naive float64 softmax and against
-``torch.nn.functional.scaled_dot_product_attention``; the Triton kernels (run by the interpreter
+The reference is checked against a naive float64 softmax; the Triton kernel (run by the interpreter
 on CPU, see ``conftest.py``) against the references under hypothesis shapes: odd ``T``,
 ``P = C = 1``, GQA groups 1 / 2 / 4, rows without any valid key, fp32 and bf16 inputs.  The
-kernels' block sizes are shrunk for the hypothesis tests so that several key / query blocks
+kernel's block sizes are shrunk for the hypothesis tests so that several key / query blocks
 (and fully masked blocks) are exercised with small, fast shapes.
 """
 
@@ -15,11 +14,9 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polestar.kernels import gathered_attention as ga
 from polestar.kernels import proxy_attention as pa
 
 FAST = settings(
@@ -42,7 +39,7 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-6) -
 
 @st.composite
 def attention_problems(draw, dtypes=(torch.float32, torch.bfloat16), max_t: int = 45, max_q: int = 2):
-    """``(q [B,H,Q,hd], keys, values [B,Hkv,T,hd], key_valid [B,T], scale)``; some rows fully masked."""
+    """``(q [B,H,Q,hd], keys [B,Hkv,T,hd], key_valid [B,T], scale)``; some rows fully masked."""
     b = draw(st.integers(1, 2))
     hkv, group = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))  # GQA groups 1 / 2 / 4
     nq = draw(st.integers(1, max_q))
@@ -53,7 +50,6 @@ def attention_problems(draw, dtypes=(torch.float32, torch.bfloat16), max_t: int 
     mag = draw(st.sampled_from([0.5, 1.0, 3.0]))
     q = torch.randn(b, hkv * group, nq, hd, generator=gen) * mag
     k = torch.randn(b, hkv, t, hd, generator=gen) * mag
-    v = torch.randn(b, hkv, t, hd, generator=gen)
     density = draw(st.sampled_from([0.2, 0.7, 1.0]))
     valid = torch.rand(b, t, generator=gen) < density
     mode = draw(st.sampled_from(["random", "first_row_empty", "prefix_empty"]))
@@ -63,16 +59,14 @@ def attention_problems(draw, dtypes=(torch.float32, torch.bfloat16), max_t: int 
         valid[:, : t // 2] = False
         valid[:, -1] = True
     scale = hd**-0.5 * draw(st.sampled_from([0.5, 1.0, 2.0]))
-    return q.to(dtype), k.to(dtype), v.to(dtype), valid, scale
+    return q.to(dtype), k.to(dtype), valid, scale
 
 
 @contextmanager
 def small_blocks():
-    """Force 16-wide key / query blocks so small shapes span several blocks."""
+    """Force 16-wide key blocks so small shapes span several blocks."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pa, "_TILE", 16 * 16)
-        mp.setattr(ga, "_BLOCK_M_MAX", 16)
-        mp.setattr(ga, "_BLOCK_N_MAX", 16)
         yield
 
 
@@ -103,7 +97,7 @@ def naive_probs(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, scale: fl
 @FAST
 @given(attention_problems(dtypes=(torch.float32,)))
 def test_reference_proxy_matches_naive_and_is_a_masked_distribution(problem):
-    q, k, _, valid, scale = problem
+    q, k, valid, scale = problem
     probs = pa.reference_proxy_attention(q, k, valid, scale)
     assert probs.dtype == torch.float32 and probs.shape == (*q.shape[:3], k.shape[2])
     torch.testing.assert_close(probs.double(), naive_probs(q, k, valid, scale), rtol=1e-5, atol=1e-6)
@@ -113,30 +107,6 @@ def test_reference_proxy_matches_naive_and_is_a_masked_distribution(problem):
     sums = probs.sum(-1)
     torch.testing.assert_close(sums[has_valid], torch.ones_like(sums[has_valid]), rtol=0, atol=1e-5)
     assert (probs.sum(-1)[~has_valid] == 0).all()
-
-
-@FAST
-@given(attention_problems(dtypes=(torch.float32,)))
-def test_reference_gathered_matches_sdpa_on_rows_with_a_valid_key(problem):
-    q, k, v, valid, scale = problem
-    out = ga.reference_gathered_attention(q, k, v, valid, scale)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    sdpa = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    rows = valid.any(-1)
-    torch.testing.assert_close(out[rows], sdpa[rows], rtol=1e-5, atol=1e-5)
-    assert (out[~rows] == 0).all()
-
-
-def test_reference_gathered_bf16_is_fp32_math_cast():
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 3, 16, generator=gen).bfloat16() for _ in range(3))
-    k, v = k[:, :2], v[:, :2]
-    valid = torch.ones(1, 3, dtype=torch.bool)
-    out = ga.reference_gathered_attention(q, k, v, valid, 0.25)
-    exp = ga.reference_gathered_attention(q.float(), k.float(), v.float(), valid, 0.25).bfloat16()
-    assert out.dtype == torch.bfloat16 and torch.equal(out, exp)
 
 
 def test_argument_checks():
@@ -151,20 +121,13 @@ def test_argument_checks():
         pa.reference_proxy_attention(q, k, valid.float(), 1.0)
     with pytest.raises(ValueError):
         pa.reference_proxy_attention(q, k, torch.ones(1, 4, dtype=torch.bool), 1.0)
-    with pytest.raises(ValueError):
-        ga.reference_gathered_attention(q, k, torch.randn(1, 2, 4, 8), valid, 1.0)
-    with pytest.raises(TypeError):
-        ga.reference_gathered_attention(q, k.double(), k.double(), valid, 1.0)
 
 
 def test_auto_backend_on_cpu_is_reference():
     gen = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 6, 8)
     valid = torch.tensor([[True, False, True, True, False, True]])
     assert torch.equal(pa.proxy_attention(q, k, valid, 0.3), pa.reference_proxy_attention(q, k, valid, 0.3))
-    assert torch.equal(
-        ga.gathered_attention(q, k, v, valid, 0.3), ga.reference_gathered_attention(q, k, v, valid, 0.3)
-    )
 
 
 # ----------------------------------------------------------------------------- triton vs reference
@@ -174,7 +137,7 @@ def test_auto_backend_on_cpu_is_reference():
 @FAST
 @given(problem=attention_problems())
 def test_triton_proxy_matches_reference(kdev, problem):
-    q, k, _, valid, scale = problem
+    q, k, valid, scale = problem
     ref = pa.reference_proxy_attention(q, k, valid, scale)
     with small_blocks():
         out = pa.proxy_attention_triton(q.to(kdev), k.to(kdev), valid.to(kdev), scale).cpu()
@@ -187,20 +150,6 @@ def test_triton_proxy_matches_reference(kdev, problem):
 
 
 @needs_triton
-@FAST
-@given(problem=attention_problems(max_q=20))
-def test_triton_gathered_matches_reference(kdev, problem):
-    q, k, v, valid, scale = problem
-    ref = ga.reference_gathered_attention(q, k, v, valid, scale)
-    with small_blocks():
-        out = ga.gathered_attention_triton(q.to(kdev), k.to(kdev), v.to(kdev), valid.to(kdev), scale).cpu()
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert rel_rms(out, ref) < TOL[q.dtype]
-    assert torch.isfinite(out.float()).all()
-    assert (out[~valid.any(-1)] == 0).all()
-
-
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_default_blocks_long_keys_and_strided_inputs(kdev, dtype):
     """Default block sizes, ``T`` spanning several blocks, a masked first block, strided views."""
@@ -208,17 +157,13 @@ def test_triton_default_blocks_long_keys_and_strided_inputs(kdev, dtype):
     b, h, hkv, c, t, hd = 1, 2, 1, 70, 150, 64
     # [B, C, H, hd] layout transposed to [B, H, C, hd], as produced by a projection + view
     q = torch.randn(b, c, h, hd, generator=gen).to(dtype).transpose(1, 2)
-    k = torch.randn(b, t, hkv, hd, generator=gen).to(dtype).transpose(1, 2)
-    v = torch.randn(b, hkv, t, 2 * hd, generator=gen).to(dtype)[..., ::2]
+    k = torch.randn(b, t, hkv, 2 * hd, generator=gen).to(dtype).transpose(1, 2)[..., ::2]
     valid = (torch.rand(b, 2 * t, generator=gen) < 0.6)[:, ::2]
     valid[:, :70] = False
     scale = hd**-0.5
-    qd, kd, vd, md = (x.to(kdev) for x in (q, k, v, valid))
-    ref_p = pa.reference_proxy_attention(q[:, :, :2], k, valid, scale)
-    out_p = pa.proxy_attention_triton(qd[:, :, :2], kd, md, scale).cpu()
-    assert rel_rms(out_p, ref_p) < TOL[dtype]
-    ref = ga.reference_gathered_attention(q, k, v, valid, scale)
-    out = ga.gathered_attention(qd, kd, vd, md, scale, backend="triton").cpu()
+    qd, kd, md = (x.to(kdev) for x in (q, k, valid))
+    ref = pa.reference_proxy_attention(q, k, valid, scale)
+    out = pa.proxy_attention(qd, kd, md, scale, backend="triton").cpu()
     assert rel_rms(out, ref) < TOL[dtype]
 
 
@@ -228,12 +173,9 @@ def test_triton_empty_sizes(kdev):
     k = torch.randn(1, 1, 0, 8, device=kdev)
     valid = torch.zeros(1, 0, dtype=torch.bool, device=kdev)
     assert pa.proxy_attention_triton(q, k, valid, 1.0).shape == (1, 2, 3, 0)
-    out = ga.gathered_attention_triton(q, k, k, valid, 1.0)
-    assert out.shape == q.shape and (out == 0).all()
     q0 = torch.randn(1, 2, 0, 8, device=kdev)
     k1 = torch.randn(1, 1, 4, 8, device=kdev)
     valid1 = torch.ones(1, 4, dtype=torch.bool, device=kdev)
-    assert ga.gathered_attention_triton(q0, k1, k1, valid1, 1.0).shape == (1, 2, 0, 8)
     assert pa.proxy_attention_triton(q0, k1, valid1, 1.0).shape == (1, 2, 0, 4)
 
 
@@ -244,13 +186,10 @@ def test_triton_corner_cases(kdev, dtype, group):
     """P = C = 1, odd T, GQA group 1 / 4, one batch row without any valid key."""
     gen = torch.Generator().manual_seed(group)
     q = torch.randn(2, group, 1, 12, generator=gen).to(dtype)
-    k, v = (torch.randn(2, 1, 37, 12, generator=gen).to(dtype) for _ in range(2))
+    k = torch.randn(2, 1, 37, 12, generator=gen).to(dtype)
     valid = torch.rand(2, 37, generator=gen) < 0.5
     valid[1] = False
     args = [x.to(kdev) for x in (q, k, valid)]
     probs = pa.proxy_attention_triton(*args, 0.3).cpu()
     assert rel_rms(probs, pa.reference_proxy_attention(q, k, valid, 0.3)) < TOL[dtype]
     assert (probs[1] == 0).all() and torch.isfinite(probs).all()
-    out = ga.gathered_attention_triton(args[0], args[1], v.to(kdev), args[2], 0.3).cpu()
-    assert rel_rms(out, ga.reference_gathered_attention(q, k, v, valid, 0.3)) < TOL[dtype]
-    assert (out[1] == 0).all()

@@ -43,21 +43,19 @@ def test_modules_import_and_run_without_triton():
         sys.modules["triton"] = None  # makes `import triton` raise ImportError
         sys.modules["triton.language"] = None
         import torch
-        from polestar.kernels import _library, drift, gathered_attention, kmeans, proxy_attention, quant
+        from polestar.kernels import _library, drift, kmeans, proxy_attention, quant
         assert not (drift.HAS_TRITON or kmeans.HAS_TRITON or quant.HAS_TRITON or proxy_attention.HAS_TRITON)
-        assert _library.REGISTERED == []  # no torch.library ops without triton
+        assert not _library.is_registered("kl_drift")  # no torch.library ops without triton
         p = torch.softmax(torch.randn(2, 8), -1)
         assert drift.kl_drift(p, p).abs().max() == 0
         assert kmeans.spherical_kmeans(torch.randn(1, 6, 3), 2).labels.shape == (1, 6)
         assert quant.nvfp4_dequantize(quant.nvfp4_quantize(torch.randn(3, 16))).shape == (3, 16)
         q, k, valid = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 5, 4), torch.ones(1, 5, dtype=torch.bool)
         assert proxy_attention.proxy_attention(q, k, valid, 0.5).shape == (1, 2, 3, 5)
-        assert gathered_attention.gathered_attention(q, k, k, valid, 0.5).shape == (1, 2, 3, 4)
         for fn, args in [
             (drift.kl_drift_triton, (p, p)),
             (quant.nvfp4_quantize_triton, (p,)),
             (proxy_attention.proxy_attention_triton, (q, k, valid, 0.5)),
-            (gathered_attention.gathered_attention_triton, (q, k, k, valid, 0.5)),
         ]:
             try:
                 fn(*args)

@@ -33,8 +33,8 @@ Calibration aid:
 
 Usage::
 
-    python -m polestar.models.train --family llada --out models/checkpoints/tiny-llada --minutes 40
-    python -m polestar.models.train --family llada --init models/checkpoints/tiny-llada --out runs/next \
+    python -m polestar.training.train --family llada --out models/checkpoints/tiny-llada --minutes 40
+    python -m polestar.training.train --family llada --init models/checkpoints/tiny-llada --out runs/next \
         --minutes 40 --facts-batch 64 --prefix-frac 0.5
 
 Writes ``config.json``, ``model.safetensors``, ``tokenizer.json``, ``train_log.jsonl`` and a ``README.md`` model
@@ -54,9 +54,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..bench.tasks import get_task, iter_split, split
-from .loading import build_model, load_model, save_model
-from .tokenizer import build_char_tokenizer, special_ids
+from polestar.bench.tasks import get_task, iter_split, split
+from polestar.models.loading import build_model, load_model, save_model
+from polestar.models.text import as_transformers_tokenizer
+from polestar.models.tokenizer import build_char_tokenizer, special_ids
 
 #: Answer-region length (the benchmark generates 64 tokens).
 GEN = 64
@@ -97,7 +98,7 @@ def parse_mixture(text: str) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m polestar.models.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m polestar.training.train", description=__doc__.split("\n")[0])
     p.add_argument("--family", choices=("llada", "dream"), required=True)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--init", default=None,
@@ -285,7 +286,7 @@ def facts_batch(tok, batch: int, rng: random.Random, mask_id: int) -> tuple[torc
     batch 64 to learn them in isolation, and far longer when they are only seen inside diffusion batches); the same
     relative layout ``a<op>b=r`` appears in every arith answer, so with rotary positions the table transfers.
     """
-    from ..bench.tasks.arith import solve
+    from polestar.bench.tasks.arith import solve
 
     rows, target = [], []
     for _ in range(batch):
@@ -412,7 +413,7 @@ def train(args: argparse.Namespace) -> dict:
             raise ValueError(f"--init {args.init} is a {model.spec.family} checkpoint but --family is {args.family}")
     else:
         model = build_model(args.family, spec_kwargs_from_args(args, vocab, ids), seed=args.seed)
-    model.tokenizer = tok
+    model.tokenizer = as_transformers_tokenizer(tok)
     model.train()
     params = n_params(model)
     log({"event": "start", "argv": sys.argv, "args": vars(args), "family": args.family, "params": params,
@@ -509,7 +510,7 @@ def write_model_card(out: Path, args: argparse.Namespace, model, summary: dict) 
     s = model.spec
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     name = out.name
-    cmd = "python -m polestar.models.train " + " ".join(sys.argv[1:]) if sys.argv and "train" in sys.argv[0] else "(programmatic)"
+    cmd = "python -m polestar.training.train " + " ".join(sys.argv[1:]) if sys.argv and "train" in sys.argv[0] else "(programmatic)"
     acc_rows = "\n".join(f"| {k} | {v * 100:.1f}% |" for k, v in summary["final_acc"].items()) or "| (not measured) | |"
     mix = ", ".join(f"{k}={v:g}" for k, v in args.tasks.items())
     text = f"""# {name}
@@ -575,7 +576,7 @@ took {summary['final_eval_time_s'] / 60:.1f} min.
 def evaluate_checkpoint(out: str | Path, n: int = 200, threads: int = 1) -> dict[str, float]:
     """Measure the final test accuracies of a checkpoint written by :func:`train` (e.g. one whose run was stopped
     before its final evaluation), append them to its ``train_log.jsonl`` and rewrite its ``README.md``."""
-    from .loading import load_model
+    from polestar.models.loading import load_model
 
     torch.set_num_threads(threads)
     out = Path(out)
@@ -610,8 +611,8 @@ def evaluate_checkpoint(out: str | Path, n: int = 200, threads: int = 1) -> dict
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--eval-only" in argv:
-        # python -m polestar.models.train --eval-only --out DIR [--final-n 200] [--threads 1]
-        p = argparse.ArgumentParser(prog="python -m polestar.models.train --eval-only")
+        # python -m polestar.training.train --eval-only --out DIR [--final-n 200] [--threads 1]
+        p = argparse.ArgumentParser(prog="python -m polestar.training.train --eval-only")
         p.add_argument("--eval-only", action="store_true")
         p.add_argument("--out", required=True)
         p.add_argument("--final-n", type=int, default=200)

@@ -1,0 +1,115 @@
+"""Presets: the paper's decoding settings for the published checkpoints, by name or recognised from config.json.
+
+Settings (Lee et al. 2026, Table 1 and its text; PAPER.md "Results"): generation length 256, block 32, steps =
+generation length, temperature 0, confidence threshold τ_s = 0.9, early-commit band from 0.7, drift window 5
+steps, α = 10, Polestar-Cache with 8 clusters over a window of 2 prefix + 1 suffix blocks, top-4 clusters per
+layer (top-1 at the last), τ_upd = 1, a window-only refresh every 4th block (the released code's values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+PAPER_SOURCE = "Lee et al. 2026 (Polestar), Table 1 settings; released code defaults for the window and clusters"
+
+#: decoding settings shared by every published preset (keywords of polestar.generate)
+PAPER_DECODING: dict[str, Any] = {"gen_length": 256, "block_length": 32, "steps": 256, "temperature": 0.0}
+#: stage options shared by every published preset, optional (``?``) so they apply to whichever policy runs
+PAPER_OPTIONS: dict[str, Any] = {
+    "threshold?": 0.9,
+    "commit.min_confidence?": 0.7,
+    "commit.window?": 5,
+    "commit.alpha?": 10.0,
+    "refresh.n_clusters?": 8,
+    "refresh.prefix_blocks?": 2,
+    "refresh.suffix_blocks?": 1,
+    "refresh.topk?": 4,
+    "refresh.topk_last?": 1,
+    "refresh.tau_upd?": 1,
+    "refresh.window_refresh_every?": 4,
+}
+
+
+@attrs.frozen
+class Preset:
+    """Decoding settings for one published checkpoint.
+
+    ``match``: config.json fields (any of the family's spellings) that identify the checkpoint's architecture;
+    ``aliases``: substrings of a checkpoint directory name that single this preset out among presets with the
+    same architecture (LLaDA-8B-Instruct and LLaDA-1.5 share one config.json); ``policy``: the policy to run;
+    ``decoding``: :func:`polestar.generate` keywords; ``options``: stage options (``polestar.assemble``
+    overrides); ``source``: where the values come from.
+    """
+
+    name: str = attrs.field(validator=v.instance_of(str))
+    description: str = attrs.field(validator=v.instance_of(str))
+    match: Mapping[str, Any] = attrs.field(validator=v.instance_of(Mapping))
+    aliases: tuple[str, ...] = attrs.field(converter=tuple)
+    policy: str = "polestar"
+    decoding: Mapping[str, Any] = attrs.field(factory=lambda: dict(PAPER_DECODING))
+    options: Mapping[str, Any] = attrs.field(factory=lambda: dict(PAPER_OPTIONS))
+    source: str = PAPER_SOURCE
+
+    def matches(self, config: Mapping[str, Any]) -> bool:
+        """True when every ``match`` field equals config.json's."""
+        return all(config.get(k) == want for k, want in self.match.items())
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+_PRESETS: dict[str, Preset] = {}
+
+
+def register_preset(preset: Preset) -> Preset:
+    """Add ``preset`` to the registry (names are unique)."""
+    if preset.name in _PRESETS:
+        raise ValueError(f"preset {preset.name!r} is already registered")
+    _PRESETS[preset.name] = preset
+    return preset
+
+
+def preset_names() -> list[str]:
+    return sorted(_PRESETS)
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``; ValueError listing the known names otherwise."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())} "
+                         "(see `polestar presets`)")
+    return _PRESETS[name]
+
+
+def preset_for_config(config: Mapping[str, Any], directory: str | Path | None = None) -> Preset | None:
+    """The preset whose architecture matches ``config`` (config.json); among several, the one whose alias
+    appears in ``directory``'s name, else the first registered. None when no preset matches."""
+    found = [p for p in _PRESETS.values() if p.matches(config)]
+    if not found:
+        return None
+    name = Path(directory).name.lower() if directory is not None else ""
+    named = [p for p in found if any(a in name for a in p.aliases)]
+    return (named or found)[0]
+
+
+_LLADA_8B = {"model_type": "llada", "d_model": 4096, "n_heads": 32, "n_layers": 32, "mlp_hidden_size": 12288,
+             "vocab_size": 126464}
+register_preset(Preset(
+    "llada-8b-instruct", "GSAI-ML/LLaDA-8B-Instruct with Polestar at the paper's settings", _LLADA_8B,
+    ("llada-8b-instruct", "llada-8b"),
+))
+register_preset(Preset(
+    "llada-1.5", "GSAI-ML/LLaDA-1.5 (LLaDA-8B-Instruct after VRPO; same architecture) at the paper's settings",
+    _LLADA_8B, ("llada-1.5", "llada1.5", "llada_1.5"),
+))
+register_preset(Preset(
+    "dream-v0-instruct-7b", "Dream-org/Dream-v0-Instruct-7B with Polestar at the paper's settings",
+    {"model_type": "Dream", "hidden_size": 3584, "num_attention_heads": 28, "num_hidden_layers": 28,
+     "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064},
+    ("dream-v0-instruct-7b", "dream-7b", "dream"),
+))
