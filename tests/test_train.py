@@ -152,7 +152,7 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
 
 
 def test_answer_noise_flips_only_digits_at_the_given_rate():
-    from polestar.models.train import noisy_targets
+    from polestar.training.train import noisy_targets
 
     tok = build_char_tokenizer()
     digits = torch.tensor([tok.token_to_id(d) for d in "0123456789"])
