@@ -149,3 +149,19 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
     with pytest.raises(ValueError, match="llada checkpoint but --family is dream"):
         train(build_parser().parse_args(["--family", "dream", "--init", str(out), "--out", str(tuned), "--steps", "1",
                                          "--final-n", "0", "--no-progress"]))
+
+
+def test_answer_noise_flips_only_digits_at_the_given_rate():
+    from polestar.training.train import noisy_targets
+
+    tok = build_char_tokenizer()
+    digits = torch.tensor([tok.token_to_id(d) for d in "0123456789"])
+    text = "12+34=46,46*2=92" * 4
+    ans = torch.tensor([tok.encode(text).ids] * 400)
+    noisy = noisy_targets(ans, digits, 0.3, torch.Generator().manual_seed(0))
+    is_digit = torch.isin(ans, digits)
+    assert torch.equal(noisy[~is_digit], ans[~is_digit])  # operators and '=' never change
+    assert torch.isin(noisy[is_digit], digits).all()
+    changed = (noisy != ans)[is_digit].float().mean().item()
+    assert abs(changed - 0.3 * 0.9) < 0.01  # a uniform draw keeps the same digit 1 time in 10
+    assert torch.equal(noisy_targets(ans, digits, 0.0, torch.Generator()), ans)

@@ -1,0 +1,101 @@
+"""Table and plot of the accuracy–TPF frontier from a ``bench/run_frontier.sh`` directory.
+
+``python bench/frontier_table.py runs/frontier/tiny-llada-noisy-arith --plot out.png``. Every ``*.json`` in the
+directory is one ``polestar bench --json`` run; each of its policies becomes one point, labelled by the policy and
+the ``--set`` options of the run. Rows: accuracy with its 95% Wilson interval, tokens per forward (TPF) and
+token-layer evaluations per generated token. The plot has two panels (accuracy against TPF and against evaluations
+per token), with the interval as error bars; the threshold sweeps of ``fast-dllm`` and ``parallel`` are drawn as
+curves, every other run as a labelled point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SWEPT = ("fast-dllm", "parallel")
+
+
+def frontier_rows(runs: dict[str, dict]) -> list[dict]:
+    """One row per (run, policy): ``runs`` maps a run label to its bench JSON."""
+    rows = []
+    for _label, res in runs.items():
+        options = res.get("options", {})
+        for policy, s in res["summary"].items():
+            opts = " ".join(f"{k}={v}" for k, v in options.items())
+            rows.append({
+                "policy": policy, "options": opts, "threshold": options.get("threshold"),
+                "accuracy": s["accuracy"], "ci": s["accuracy_ci95"], "tpf": s["tpf"],
+                "evals": s["token_layer_evals_per_token"], "n": res["n"],
+            })
+    rows.sort(key=lambda r: (r["policy"] not in SWEPT, r["policy"], r["threshold"] or 0.0, r["options"]))
+    return rows
+
+
+def format_frontier(title: str, rows: list[dict]) -> str:
+    head = f"{'policy':<16}{'options':<18}{'accuracy':>23}{'TPF':>7}{'evals/tok':>11}"
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        acc = f"{100 * r['accuracy']:.1f}% [{100 * r['ci'][0]:5.1f},{100 * r['ci'][1]:5.1f}]"
+        lines.append(f"{r['policy']:<16}{r['options'] or '-':<18}{acc:>23}{r['tpf']:>7.2f}{r['evals']:>11.1f}")
+    return "\n".join(lines)
+
+
+def frontier_plot(rows: list[dict], path: str, title: str) -> None:
+    """Two panels: accuracy (95% interval as error bars) against TPF and against evaluations per token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, key, xlabel in ((axes[0], "tpf", "tokens per forward (TPF)"),
+                            (axes[1], "evals", "token-layer evaluations per token")):
+        for policy in SWEPT:
+            pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["threshold"] or 0.0)
+            if not pts:
+                continue
+            xs = [r[key] for r in pts]
+            ys = [100 * r["accuracy"] for r in pts]
+            err = [[100 * (r["accuracy"] - r["ci"][0]) for r in pts], [100 * (r["ci"][1] - r["accuracy"]) for r in pts]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=f"{policy} (τ sweep)")
+            for r, x, y in zip(pts, xs, ys):
+                ax.annotate(f"{r['threshold']}", (x, y), fontsize=6, xytext=(2, -8), textcoords="offset points")
+        for r in rows:
+            if r["policy"] in SWEPT:
+                continue
+            y = 100 * r["accuracy"]
+            ax.errorbar([r[key]], [y], yerr=[[y - 100 * r["ci"][0]], [100 * r["ci"][1] - y]], marker="s", ms=4,
+                        capsize=2, linestyle="none")
+            label = r["policy"] + (f" {r['options']}" if r["options"] else "")
+            ax.annotate(label, (r[key], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (%), 95% interval")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("directory")
+    p.add_argument("--plot", default=None, metavar="OUT.png")
+    args = p.parse_args(argv)
+    d = Path(args.directory)
+    runs = {f.stem: json.loads(f.read_text()) for f in sorted(d.glob("*.json"))}
+    if not runs:
+        raise SystemExit(f"error: no bench JSON in {d}; run bench/run_frontier.sh first")
+    first = next(iter(runs.values()))
+    title = f"{first['model']} / {first['task']} / n={first['n']} / accuracy–TPF frontier"
+    rows = frontier_rows(runs)
+    print(format_frontier(title, rows))
+    if args.plot:
+        frontier_plot(rows, args.plot, title)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The accuracy–TPF frontier (issue 18): `fast-dllm` and `parallel` over a threshold sweep, the adaptive commit rules
+# (`polestar-commit`, `polestar`, `eb`, `klass`) at their defaults and `polestar` at two more α values, on the same
+# problems. Raw bench JSON goes to runs/frontier/<model>-<task>/, the table and the plot to docs/results/.
+# About 12 min per model and task at N=500 on one core.
+# Usage: bash bench/run_frontier.sh [N]   (MODELS="tiny-llada-noisy", TASKS="arith" to run part of it)
+set -euo pipefail
+N=${1:-200}
+OUT=docs/results
+RAW=${RAW:-runs/frontier}
+TAUS=${TAUS:-0.5 0.6 0.7 0.8 0.85 0.9 0.95}
+ALPHAS=${ALPHAS:-3 30}
+mkdir -p "$OUT" "$RAW"
+for model in ${MODELS:-tiny-llada-noisy tiny-dream-noisy}; do
+  for task in ${TASKS:-arith sudoku}; do
+    common=(--model "$model" --task "$task" --n "$N" --batch-size 50 --gen-length 64 --block-length 16)
+    dir="$RAW/$model-$task"
+    mkdir -p "$dir"
+    for tau in $TAUS; do
+      polestar bench "${common[@]}" --policies fast-dllm,parallel --set threshold="$tau" --json "$dir/tau-$tau.json" > /dev/null
+    done
+    polestar bench "${common[@]}" --policies polestar-commit,polestar,eb,klass --json "$dir/adaptive.json" > /dev/null
+    for alpha in $ALPHAS; do
+      polestar bench "${common[@]}" --policies polestar --set alpha="$alpha" --json "$dir/alpha-$alpha.json" > /dev/null
+    done
+    python bench/frontier_table.py "$dir" --plot "$OUT/$model-$task-frontier.png" | tee "$OUT/$model-$task-frontier.txt"
+  done
+done
