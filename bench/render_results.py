@@ -65,6 +65,14 @@ candidates whose drift delta passed `alpha (τ − c)²` / band candidates with 
 block decoded (`--no-stop-at-eos`), as in LLaDA's and Fast-dLLM's reference loops.
 """
 
+FRONTIER_HEADER = """## Calibrated checkpoints: the accuracy–TPF frontier (`bash bench/run_frontier.sh`)
+
+`tiny-llada-noisy` and `tiny-dream-noisy` (fine-tuned with answer-digit label noise ε = 0.15, so their
+confidences sit in the 0.7–0.9 band; model cards) on the same problems: `fast-dllm` and `parallel` over a
+threshold sweep, the adaptive commit rules at their defaults and `polestar` at α = 3 and 30 (default 10).
+Left panel: accuracy (95% interval) against TPF; right: against token-layer evaluations per token.
+"""
+
 SWEEP_HEADER = """## Polestar-Cache recompute budget (`bash bench/run_sweep.sh`)
 
 `polestar-cache` (pc) under settings of its refresh selector beside the reference policies, same problems:
@@ -175,11 +183,15 @@ def render(page_text: str | None, results_dir: Path = RESULTS, plots: bool = Tru
                 pareto_plot(res["summary"], str(png), plot_title(res))
             parts.append(f"![{table_name(f)}](results/{png.name})\n")
     for header, pattern in ((AGREEMENT_HEADER, "*-agree.txt"), (ANATOMY_HEADER, "*-anatomy*.txt"),
-                            (SWEEP_HEADER, "*-sweep.txt")):
+                            (FRONTIER_HEADER, "*-frontier.txt"), (SWEEP_HEADER, "*-sweep.txt")):
         found = sorted(results_dir.glob(pattern))
         if found:
             parts.append(header)
-            parts += [f"```\n{f.read_text().rstrip()}\n```\n" for f in found]
+            for f in found:
+                parts.append(f"```\n{f.read_text().rstrip()}\n```\n")
+                plot = f.with_suffix(".png")  # the frontier plots (bench/frontier_table.py --plot)
+                if plot.is_file():
+                    parts.append(f"![{f.stem}](results/{plot.name})\n")
     parts.append(notes)
     return "\n".join(parts)
 

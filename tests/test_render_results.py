@@ -81,3 +81,13 @@ def test_plot_error_bars_are_the_wilson_intervals(tmp_path, monkeypatch):
     assert got[4.0] == pytest.approx((80.0, 9.0, 7.0))
     assert got[5.0] == pytest.approx((78.0, 9.0, 7.0))
     assert got[0.5] == pytest.approx((99.0, 4.0, 1.0))
+
+
+def test_render_lists_frontier_tables_with_their_plots(tmp_path):
+    (tmp_path / "tiny-m-noisy-arith-frontier.txt").write_text("frontier table")
+    (tmp_path / "tiny-m-noisy-arith-frontier.png").write_bytes(b"png")
+    (tmp_path / "tiny-m-noisy-sudoku-frontier.txt").write_text("frontier table without plot")
+    page = rr.render(None, tmp_path, plots=False)
+    assert page.index("## Calibrated checkpoints") < page.index("frontier table")
+    assert "![tiny-m-noisy-arith-frontier](results/tiny-m-noisy-arith-frontier.png)" in page
+    assert "tiny-m-noisy-sudoku-frontier.png" not in page
