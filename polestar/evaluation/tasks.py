@@ -31,14 +31,21 @@ def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     return {"acc": float(bool(task.check(doc["input"], results[0])))}
 
 
-def _generate_yaml(name: str, data: Path, max_gen_toks: int) -> str:
-    return "\n".join([
+def _dataset_lines(name: str, data: Path) -> list[str]:
+    """The YAML lines naming the task and its local JSONL test split."""
+    return [
         f"task: {name}",
         "dataset_path: json",
         "dataset_kwargs:",
         "  data_files:",
         f"    test: {json.dumps(str(data))}",
         "test_split: test",
+    ]
+
+
+def _generate_yaml(name: str, data: Path, max_gen_toks: int) -> str:
+    return "\n".join([
+        *_dataset_lines(name, data),
         "output_type: generate_until",
         "doc_to_text: prompt",
         "doc_to_target: output",
@@ -58,12 +65,7 @@ def _generate_yaml(name: str, data: Path, max_gen_toks: int) -> str:
 
 def _choice_yaml(name: str, data: Path) -> str:
     return "\n".join([
-        f"task: {name}",
-        "dataset_path: json",
-        "dataset_kwargs:",
-        "  data_files:",
-        f"    test: {json.dumps(str(data))}",
-        "test_split: test",
+        *_dataset_lines(name, data),
         "output_type: multiple_choice",
         "doc_to_text: prompt",
         "doc_to_choice: choices",
