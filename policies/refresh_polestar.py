@@ -191,7 +191,9 @@ class _BuildHook(LayerHook):
         if sel.clusterer.needs_keys:
             for _ in range(model.spec.n_layers):
                 for drawn, (lo, hi, _k) in zip(per_part, self.parts):
-                    drawn.append(init_keys(state.batch_size, hi - lo, state.generator, state.x.device))
+                    # one key row shared by the batch: a row's keys do not depend on the batch size
+                    keys = init_keys(1, hi - lo, state.generator, state.x.device)
+                    drawn.append(keys.expand(state.batch_size, -1))
         self.keys = [torch.cat(drawn) if drawn else None for drawn in per_part]
         self.inputs: list = [None] * model.spec.n_layers
 

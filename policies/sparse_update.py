@@ -35,12 +35,16 @@ class Window(NamedTuple):
 
 def make_window(block_start: int, block_end: int, shift: int, prefix: int, suffix: int, cache: DecodeCache) -> Window:
     """``prefix`` columns before the block (stopping ``shift`` early: Dream recomputes ``block_start - 1`` with the
-    block) and ``suffix`` columns after it, clipped to the sequence; columns are Python ints, so no host sync."""
+    block) and ``suffix`` columns after it (clipped at the end of the sequence); columns are Python ints, so no host
+    sync. The prefix always has ``prefix`` columns: the ones before column 0 stand at column 0 and are invalid, as
+    left padding is, so a row's window (its size, its cluster split, the columns of its valid tokens counted from
+    the block) is the same alone and in a batch with longer prompts."""
     device = cache.key_valid.device
-    pre = torch.arange(max(0, block_start - shift - prefix), block_start - shift, device=device)
+    pre = torch.arange(block_start - shift - prefix, block_start - shift, device=device)
     post = torch.arange(block_end, min(cache.length, block_end + suffix), device=device)
-    positions = torch.cat([pre, post])
-    valid = cache.key_valid.index_select(1, positions)
+    before_start = torch.cat([pre < 0, torch.zeros_like(post, dtype=torch.bool)])
+    positions = torch.cat([pre.clamp_min(0), post])
+    valid = cache.key_valid.index_select(1, positions) & ~before_start[None, :]
     return Window(positions, valid, pre.numel())
 
 
