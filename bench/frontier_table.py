@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from polestar.bench.sweep_table import accuracy_cell
+
 SWEPT = ("fast-dllm", "parallel")
 
 
@@ -37,8 +39,7 @@ def format_frontier(title: str, rows: list[dict]) -> str:
     head = f"{'policy':<16}{'options':<18}{'accuracy':>23}{'TPF':>7}{'evals/tok':>11}"
     lines = [title, head, "-" * len(head)]
     for r in rows:
-        acc = f"{100 * r['accuracy']:.1f}% [{100 * r['ci'][0]:5.1f},{100 * r['ci'][1]:5.1f}]"
-        lines.append(f"{r['policy']:<16}{r['options'] or '-':<18}{acc:>23}{r['tpf']:>7.2f}{r['evals']:>11.1f}")
+        lines.append(f"{r['policy']:<16}{r['options'] or '-':<18}{accuracy_cell(r):>23}{r['tpf']:>7.2f}{r['evals']:>11.1f}")
     return "\n".join(lines)
 
 

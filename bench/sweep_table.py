@@ -33,12 +33,16 @@ def sweep_rows(reference: dict, runs: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def accuracy_cell(row: dict) -> str:
+    """``row["accuracy"]`` and its interval ``row["ci"]`` as ``"97.6% [ 95.9, 98.6]"``."""
+    return f"{100 * row['accuracy']:.1f}% [{100 * row['ci'][0]:5.1f},{100 * row['ci'][1]:5.1f}]"
+
+
 def format_sweep(title: str, rows: list[dict]) -> str:
     head = f"{'run':<16}{'accuracy':>22}{'evals/tok':>11}{'× fast':>8}{'Δ fast':>8}{'Δ elastic':>10}  options"
     lines = [title, head, "-" * len(head)]
     for r in rows:
-        acc = f"{100 * r['accuracy']:.1f}% [{100 * r['ci'][0]:5.1f},{100 * r['ci'][1]:5.1f}]"
-        lines.append(f"{r['name']:<16}{acc:>22}{r['evals']:>11.1f}{r['evals_ratio']:>8.2f}{r['vs_fast']:>+8.1f}"
+        lines.append(f"{r['name']:<16}{accuracy_cell(r):>22}{r['evals']:>11.1f}{r['evals_ratio']:>8.2f}{r['vs_fast']:>+8.1f}"
                      f"{r['vs_elastic']:>+10.1f}  {r['options']}")
     return "\n".join(lines)
 

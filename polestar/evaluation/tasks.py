@@ -43,6 +43,11 @@ def _dataset_lines(name: str, data: Path) -> list[str]:
     ]
 
 
+#: zero-shot, scored by the mean of ``acc`` (the closing lines of both task YAMLs)
+_ACCURACY_LINES = ("num_fewshot: 0", "metric_list:", "  - metric: acc", "    aggregation: mean",
+                   "    higher_is_better: true", "")
+
+
 def _generate_yaml(name: str, data: Path, max_gen_toks: int) -> str:
     return "\n".join([
         *_dataset_lines(name, data),
@@ -54,12 +59,7 @@ def _generate_yaml(name: str, data: Path, max_gen_toks: int) -> str:
         '  until: ["<|endoftext|>"]',
         f"  max_gen_toks: {max_gen_toks}",
         "  do_sample: false",
-        "num_fewshot: 0",
-        "metric_list:",
-        "  - metric: acc",
-        "    aggregation: mean",
-        "    higher_is_better: true",
-        "",
+        *_ACCURACY_LINES,
     ])
 
 
@@ -71,12 +71,7 @@ def _choice_yaml(name: str, data: Path) -> str:
         "doc_to_choice: choices",
         "doc_to_target: gold",
         'target_delimiter: ""',
-        "num_fewshot: 0",
-        "metric_list:",
-        "  - metric: acc",
-        "    aggregation: mean",
-        "    higher_is_better: true",
-        "",
+        *_ACCURACY_LINES,
     ])
 
 
