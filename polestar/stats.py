@@ -25,8 +25,9 @@ class SequenceStats:
 class RunStats:
     """Run counters. ``nfe``: batched forward passes; ``tpf``: generated non-EOS tokens per sequence-forward
     (sum of tokens / sum of per-sequence ``nfe``; equals the paper's TPF at batch 1); ``tps``: generated non-EOS
-    tokens per second of wall time; ``token_layer_evals``: positions actually computed, summed over steps,
-    layers and sequences; ``sequences``: per-sequence :class:`SequenceStats`; ``compile_s``: seconds spent
+    tokens per second of wall time; ``token_layer_evals``: valid plan positions (and sparse-update members),
+    summed over steps, layers and sequences -- the slots of a fixed-shape step that a plan marks invalid (padding
+    to capacity, rows of finished sequences) still pass through the matmuls and are *not* counted yet (issue 15); ``sequences``: per-sequence :class:`SequenceStats`; ``compile_s``: seconds spent
     compiling (``torch.compile``) during the run, excluded from ``wall_s`` and so from ``tps``."""
 
     nfe: int
