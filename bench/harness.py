@@ -356,6 +356,7 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
                                args.data, args.dtype, args.device, show_progress=not args.quiet,
                                json_out=args.json_out, resume=resume)
         rank = distributed.rank()
+        distributed.barrier()  # every rank finishes before any leaves the process group
     finally:
         distributed.shutdown()
     if rank != 0:  # rank 0 reports the gathered result

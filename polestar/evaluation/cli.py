@@ -160,6 +160,9 @@ def run_lm_eval(argv: list[str]) -> int:
     try:
         _run_harness(argv)
         write_counters(argv)
+        # every rank finishes before any leaves the group: a rank tearing gloo down while a peer is still in
+        # its last steps can abort that peer ("terminate called without an active exception")
+        distributed.barrier()
     finally:
         distributed.shutdown()
     return 0
