@@ -25,10 +25,15 @@ class SequenceStats:
 class RunStats:
     """Run counters. ``nfe``: batched forward passes; ``tpf``: generated non-EOS tokens per sequence-forward
     (sum of tokens / sum of per-sequence ``nfe``; equals the paper's TPF at batch 1); ``tps``: generated non-EOS
-    tokens per second of wall time; ``token_layer_evals``: valid plan positions (and sparse-update members),
-    summed over steps, layers and sequences -- the slots of a fixed-shape step that a plan marks invalid (padding
-    to capacity, rows of finished sequences) still pass through the matmuls and are *not* counted yet (issue 15); ``sequences``: per-sequence :class:`SequenceStats`; ``compile_s``: seconds spent
-    compiling (``torch.compile``) during the run, excluded from ``wall_s`` and so from ``tps``."""
+    tokens per second of wall time; ``token_layer_evals``: every row that went through a layer's MLP (the block's
+    plan slots, padding and rows of finished sequences included, and the rows of a sparse update's fixed-capacity
+    member buffer), summed over steps, layers and sequences; ``proxy_query_evals``: query-only rows (Polestar's
+    centroid proxies, Elastic-Cache's tracked keys, dLLM-Cache's value probes) summed over steps, layers and
+    sequences; ``weight_bytes``: bytes of weights read, summed over steps (each projection call reads its whole
+    weight once; embedding lookups read their rows; the LM head once per call); ``kv_bytes``: bytes of cached K/V
+    read by attention (proxy attention reads K only); ``sequences``: per-sequence :class:`SequenceStats`;
+    ``compile_s``: seconds spent compiling (``torch.compile``) during the run, excluded from ``wall_s`` and so
+    from ``tps``."""
 
     nfe: int
     tokens: int
@@ -36,6 +41,9 @@ class RunStats:
     token_layer_evals: int
     sequences: tuple[SequenceStats, ...]
     compile_s: float = 0.0
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+    proxy_query_evals: int = 0
 
     @property
     def errors(self) -> list[tuple[int, str]]:
@@ -49,6 +57,8 @@ class RunStats:
             nfe=sum(r.nfe for r in runs), tokens=sum(r.tokens for r in runs), wall_s=sum(r.wall_s for r in runs),
             token_layer_evals=sum(r.token_layer_evals for r in runs),
             sequences=tuple(s for r in runs for s in r.sequences), compile_s=sum(r.compile_s for r in runs),
+            weight_bytes=sum(r.weight_bytes for r in runs), kv_bytes=sum(r.kv_bytes for r in runs),
+            proxy_query_evals=sum(r.proxy_query_evals for r in runs),
         )
 
     @property
@@ -64,6 +74,15 @@ class RunStats:
     def token_layer_evals_per_token(self) -> float:
         return self.token_layer_evals / max(self.tokens, 1)
 
+    @property
+    def weight_bytes_per_token(self) -> float:
+        return self.weight_bytes / max(self.tokens, 1)
+
+    @property
+    def weight_bytes_per_step(self) -> float:
+        """Weight bytes per batched forward pass (``weight_bytes / nfe``)."""
+        return self.weight_bytes / max(self.nfe, 1)
+
     def as_dict(self) -> dict:
         return {
             "nfe": self.nfe,
@@ -74,6 +93,11 @@ class RunStats:
             "compile_s": self.compile_s,
             "token_layer_evals": self.token_layer_evals,
             "token_layer_evals_per_token": self.token_layer_evals_per_token,
+            "proxy_query_evals": self.proxy_query_evals,
+            "weight_bytes": self.weight_bytes,
+            "weight_bytes_per_token": self.weight_bytes_per_token,
+            "weight_bytes_per_step": self.weight_bytes_per_step,
+            "kv_bytes": self.kv_bytes,
             "per_sequence": [
                 {"nfe": s.nfe, "tokens": s.tokens, "tpf": s.tpf, "token_layer_evals": s.token_layer_evals,
                  "error": s.error}
