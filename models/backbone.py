@@ -15,6 +15,7 @@ from torch import nn
 
 from polestar.kernels.proxy_attention import proxy_attention
 
+from .cost import CostMeter
 from .layers import Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
@@ -32,6 +33,49 @@ class LayerParts(NamedTuple):
     gate: nn.Linear
     up: nn.Linear
     down: nn.Linear
+
+
+class ExtraRows(NamedTuple):
+    """Rows a layer hook adds to one layer's input projections (q, k, v), after the plan's rows.
+
+    ``inputs``: ``[B, R, d_model]`` layer inputs; ``positions``: ``[B, R]`` RoPE positions; ``kv_index``: ``[B, R]``
+    cache slots their K/V are written to (the trash slot for rows that only need a query: proxy queries, probes).
+    They go through the q, k and v projections in the same matmuls as the plan's rows.
+    """
+
+    inputs: torch.Tensor
+    positions: torch.Tensor
+    kv_index: torch.Tensor
+
+
+class LayerQKV(NamedTuple):
+    """What a layer hook sees after the layer's one q/k/v pass and its K/V writes (before any query attends).
+
+    ``h``: ``[B, C, d]`` the plan rows' inputs; ``index``: ``[B, C]`` their cache slots; ``q``: ``[B, H, C + R, hd]``
+    queries after RoPE of the plan rows then the hook's extra rows; ``v``: ``[B, Hkv, C + R, hd]`` their values;
+    ``meter``: the pass's :class:`~polestar.models.cost.CostMeter` (for proxy attention reads).
+    """
+
+    h: torch.Tensor
+    index: torch.Tensor
+    q: torch.Tensor
+    v: torch.Tensor
+    meter: CostMeter
+
+    @property
+    def n_plan(self) -> int:
+        return self.h.shape[1]
+
+
+class MemberRows(NamedTuple):
+    """Rows a layer hook adds to the layer's attention, output projection and MLP, after the plan's rows.
+
+    ``q``: ``[B, H, M, hd]`` their queries (after RoPE); ``inputs``: ``[B, M, d_model]`` their layer inputs (the
+    residual stream). The layer's outputs for them (``[B, M, d_model]``) go to the hook's ``after_layer``.
+    """
+
+    q: torch.Tensor
+    inputs: torch.Tensor
 
 
 class AttentionProbe(NamedTuple):
@@ -119,18 +163,21 @@ class DiffusionLM(nn.Module):
         plan: Plan,
         probe: AttentionProbe | None = None,
         hook=None,
+        meter: CostMeter | None = None,
     ) -> PlanOutput:
         """Execute ``plan`` for the tokens ``ids [B, T]``, updating ``cache`` in place.
 
         Layer ``l`` takes the input hidden states of its slots (fresh from layer ``l-1`` when the slots are the
-        same; otherwise the stored layer input, into which layer ``l-1``'s outputs were written first), writes
-        their K/V (and stored input) into the cache, attends over every valid cached key, and applies the MLP.
+        same; otherwise the stored layer input, into which layer ``l-1``'s outputs were written first) and runs
+        one pass over the layer's weights (see :meth:`layer_step`).
 
-        ``hook`` (optional, a sparse-refresh controller, :class:`polestar.stages.LayerHook`) is called at each
-        layer with ``before_attention(layer, h, index)`` after the slots' K/V are written and before any query
-        attends (it may write more K/V and recompute more rows).
+        ``hook`` (optional, a sparse-update controller, :class:`polestar.stages.LayerHook`) adds rows to each
+        layer's pass: ``extra_rows(layer, h, meter)`` → :class:`ExtraRows` (through q, k, v), ``members(layer, LayerQKV)`` →
+        :class:`MemberRows` (through attention, o and the MLP) and ``after_layer(layer, out)``. ``meter`` (optional)
+        counts what the pass reads and computes.
         """
         spec = self.spec
+        meter = CostMeter() if meter is None else meter
         trash = cache.trash
         probe_out = None
         prev_index = None
@@ -141,6 +188,7 @@ class DiffusionLM(nn.Module):
             if layer == 0:
                 tokens = torch.cat([ids, ids[:, :1]], dim=1).gather(1, index)
                 h = self.embed(tokens)
+                meter.embedding(self.embedding_weight(), tokens.numel())
             elif plan.per_layer:
                 if cache.hidden is None:
                     raise ValueError("a per-layer plan needs a cache made with store_hidden=True")
@@ -150,22 +198,23 @@ class DiffusionLM(nn.Module):
                 _scatter_rows(cache.hidden[layer], index, h)
             positions = cache.positions.gather(1, index)
             want_probe = probe is not None and probe.layer == layer
-            h, probs = self._layer(layer, h, index, positions, cache, probe.rows if want_probe else None, hook)
+            h, probs = self.layer_step(layer, h, index, positions, cache, probe.rows if want_probe else None,
+                                       hook, meter)
             if want_probe:
                 probe_out = probs
             prev_index = index
-        return PlanOutput(self.final_norm(h), probe_out)
+        out = self.final_norm(h)
+        meter.weight(self.final_norm_weight())
+        return PlanOutput(out, probe_out)
 
-    def layer_kv(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (after RoPE) and values of inputs ``h [B, X, d]`` at ``positions [B, X]`` → ``[B, Hkv, X, hd]`` each."""
-        spec = self.spec
-        parts = self.layer_parts(layer)
-        B, X, _ = h.shape
-        x = parts.attn_norm(h)
-        k = parts.k(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        v = parts.v(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        cos, sin = self.rotary.cos_sin(positions)
-        return Rotary.apply(k, cos, sin), v
+    def embedding_weight(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def final_norm_weight(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def head_weight(self) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     def write_kv(self, cache: DecodeCache, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k, v [B, Hkv, X, hd]`` into layer ``layer`` of ``cache`` at positions ``index [B, X]``
@@ -174,68 +223,93 @@ class DiffusionLM(nn.Module):
         cache.k[layer].scatter_(2, slot, k)
         cache.v[layer].scatter_(2, slot, v)
 
-    def layer_rows(
-        self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: DecodeCache, probe_rows=None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Queries of ``h [B, X, d]`` at ``positions [B, X]`` attend over layer ``layer``'s cached K/V, then the MLP:
-        the layer's output ``[B, X, d]`` for those rows (their own K/V are not written)."""
+    def project_queries(self, layer: int, h: torch.Tensor, positions: torch.Tensor, meter: CostMeter) -> torch.Tensor:
+        """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]``: a pass over the
+        layer's q weight of its own (a hook that needs queries it could not ride along the layer's pass)."""
         spec = self.spec
         parts = self.layer_parts(layer)
         B, X, _ = h.shape
-        x = parts.attn_norm(h)
-        q = parts.q(x).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
-        cos, sin = self.rotary.cos_sin(positions)
-        q = Rotary.apply(q, cos, sin)
-        keys, values = cache.k[layer], cache.v[layer]
-        att = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=cache.key_valid[:, None, None, :], enable_gqa=spec.n_kv_heads != spec.n_heads
-        )
-        probs = None
-        if probe_rows is not None:
-            rows = probe_rows[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
-            probs = self.attention_probs(q.gather(2, rows), keys, cache.key_valid)
-        h = h + parts.o(att.transpose(1, 2).reshape(B, X, spec.d_model))
-        y = parts.mlp_norm(h)
-        return h + parts.down(F.silu(parts.gate(y)) * parts.up(y)), probs
-
-    def _layer(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook=None):
-        k, v = self.layer_kv(layer, h, positions)
-        self.write_kv(cache, layer, index, k, v)
-        if hook is not None:
-            hook.before_attention(layer, h, index)
-        return self.layer_rows(layer, h, positions, cache, probe_rows)
-
-    def query_probs(self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
-        """Attention probabilities ``[B, H, X, T+1]`` of inputs ``h [B, X, d]`` at ``positions`` over layer
-        ``layer``'s cached keys (nothing written)."""
-        spec = self.spec
-        parts = self.layer_parts(layer)
-        B, X, _ = h.shape
+        meter.weight(parts.attn_norm.weight)
+        meter.linear(parts.q)
+        meter.rows(probe_rows=B * X)
         q = parts.q(parts.attn_norm(h)).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
         cos, sin = self.rotary.cos_sin(positions)
-        return self.attention_probs(Rotary.apply(q, cos, sin), cache.k[layer], cache.key_valid)
+        return Rotary.apply(q, cos, sin)
 
-    def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of queries ``[B, H, R, hd]`` over cached keys ``[B, Hkv, T+1, hd]`` → fp32
-        ``[B, H, R, T+1]`` with masked keys at probability 0."""
-        return proxy_attention(q, keys, key_valid, 1.0 / math.sqrt(self.spec.head_dim))
+    def layer_step(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook, meter: CostMeter):
+        """One pass over layer ``layer``'s weights: each projection (q, k, v, o, gate, up, down) is applied once,
+        to the plan's rows ``h [B, C, d]`` (slots ``index``, RoPE ``positions [B, C]``) concatenated with the
+        hook's rows.
 
-    def proxy_attention(
-        self, layer: int, vectors: torch.Tensor, cache: DecodeCache, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Score probe vectors against layer ``layer``'s cached keys.
+        1. q, k, v of [plan rows | hook's extra rows]; K/V written at their slots (extra rows that only query
+           point at the trash slot);
+        2. the hook picks its member rows from what it sees (:class:`LayerQKV`);
+        3. [plan rows | member rows] attend over the layer's cached K/V, then o and the MLP;
+        4. the members' outputs go to ``hook.after_layer``.
 
-        ``vectors [B, P, d_model]`` go through the layer's input norm and query projection (RoPE at
-        ``positions [B, P]`` when given) and attend over the cached keys; returns fp32 ``[B, n_heads, P, T+1]``.
+        Returns the plan rows' outputs ``[B, C, d]`` and the probed attention ``[B, H, R, T+1]`` (or None).
         """
         spec = self.spec
         parts = self.layer_parts(layer)
-        B, P, _ = vectors.shape
-        q = parts.q(parts.attn_norm(vectors.to(self.dtype))).view(B, P, spec.n_heads, spec.head_dim).transpose(1, 2)
-        if positions is not None:
-            cos, sin = self.rotary.cos_sin(positions)
-            q = Rotary.apply(q, cos, sin)
-        return self.attention_probs(q, cache.k[layer], cache.key_valid)
+        B, C, _ = h.shape
+        extra = hook.extra_rows(layer, h, meter) if hook is not None else None
+        rows, pos, kv_index = h, positions, index
+        if extra is not None:
+            rows = torch.cat([h, extra.inputs.to(h.dtype)], dim=1)
+            pos = torch.cat([positions, extra.positions], dim=1)
+            kv_index = torch.cat([index, extra.kv_index], dim=1)
+        X = rows.shape[1]
+        x = parts.attn_norm(rows)
+        q = parts.q(x).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
+        k = parts.k(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        v = parts.v(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        cos, sin = self.rotary.cos_sin(pos)
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        self.write_kv(cache, layer, kv_index, k, v)
+        meter.weight(parts.attn_norm.weight)
+        for proj in (parts.q, parts.k, parts.v):
+            meter.linear(proj)
+        members = hook.members(layer, LayerQKV(h, index, q, v, meter)) if hook is not None else None
+        q_att, resid = q[:, :, :C], h
+        if members is not None:
+            q_att = torch.cat([q_att, members.q.to(q.dtype)], dim=2)
+            resid = torch.cat([h, members.inputs.to(h.dtype)], dim=1)
+        M = resid.shape[1] - C
+        meter.rows(layer_rows=B * (C + M), probe_rows=B * (X - C))
+        keys, values = cache.k[layer], cache.v[layer]
+        att = F.scaled_dot_product_attention(
+            q_att, keys, values, attn_mask=cache.key_valid[:, None, None, :],
+            enable_gqa=spec.n_kv_heads != spec.n_heads,
+        )
+        meter.attention(keys, values)
+        probs = None
+        if probe_rows is not None:
+            rows_q = probe_rows[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
+            probs = self.attention_probs(q_att.gather(2, rows_q), keys, cache.key_valid, meter)
+        hid = resid + parts.o(att.transpose(1, 2).reshape(B, C + M, spec.d_model))
+        y = parts.mlp_norm(hid)
+        out = hid + parts.down(F.silu(parts.gate(y)) * parts.up(y))
+        meter.weight(parts.mlp_norm.weight)
+        for proj in (parts.o, parts.gate, parts.up, parts.down):
+            meter.linear(proj)
+        if members is not None:
+            hook.after_layer(layer, out[:, C:])
+            out = out[:, :C]
+        return out, probs
+
+    def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
+                        meter: CostMeter | None = None) -> torch.Tensor:
+        """Softmax attention of queries ``[B, H, R, hd]`` over cached keys ``[B, Hkv, T+1, hd]`` → fp32
+        ``[B, H, R, T+1]`` with masked keys at probability 0 (reads the keys once; counted when ``meter``)."""
+        if meter is not None:
+            meter.attention(keys, None)
+        return proxy_attention(q, keys, key_valid, 1.0 / math.sqrt(self.spec.head_dim))
+
+    def logits(self, h: torch.Tensor, meter: CostMeter | None = None) -> torch.Tensor:
+        """LM head of final-normed hidden states ``[B, X, d]`` → ``[B, X, V]``: one pass over the head weight."""
+        if meter is not None:
+            meter.weight(self.head_weight())
+        return self.head(h)
 
 
 def _scatter_rows(buffer: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:

@@ -145,3 +145,12 @@ class Dream(DiffusionLM):
         if self.spec.tie_embeddings:
             return torch.nn.functional.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
+
+    def embedding_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.model.norm.weight
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.spec.tie_embeddings else self.lm_head.weight

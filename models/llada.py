@@ -170,3 +170,13 @@ class LLaDA(DiffusionLM):
         if self.spec.tie_embeddings:
             return F.linear(h, t["wte"].weight)
         return t["ff_out"](h)
+
+    def embedding_weight(self) -> torch.Tensor:
+        return self.model.transformer["wte"].weight
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.model.transformer["ln_f"].weight
+
+    def head_weight(self) -> torch.Tensor:
+        t = self.model.transformer
+        return t["wte"].weight if self.spec.tie_embeddings else t["ff_out"].weight

@@ -1,8 +1,9 @@
 """The block/step decoding loop: plain Python around one step (plan → forward → predict → commit).
 
 The step is fixed-shape (gpt-fast style): the batch and the cache keep their shape for the whole generation; a
-finished sequence is frozen through ``DecodeState.active`` (its plan slots are unused, it commits nothing and no
-compute is counted for it). The loop's termination check is the one host read per step.
+finished sequence is frozen through ``DecodeState.active`` (its plan slots are unused and it commits nothing; its
+rows still go through the step and count in the run's :class:`RunStats` totals, not in its own
+:class:`SequenceStats`). The loop's termination check is the one host read per step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .config import GenerationConfig
 from .policy import Pipeline
 from .profiling import scope
 from .schedule import transfer_counts
-from .state import CommitOrigins, DecodeState, Prediction, StepRecord, propose
+from .state import CommitOrigins, DecodeState, Prediction, StepRecord, UpdatePacket, propose
 from .stats import RunStats, SequenceStats
 from .step import StepRunner
 
@@ -102,6 +103,7 @@ def decode(
     nfe = torch.zeros(B, dtype=torch.long, device=device)
     evals = torch.zeros(B, dtype=torch.long, device=device)
     calls = 0
+    weight_bytes = kv_bytes = layer_rows = probe_rows = 0
     bl = config.block_length
     block_cols = torch.arange(bl, device=device)
     runner = StepRunner(compile, device)
@@ -125,9 +127,16 @@ def decode(
             probe = commit.probe(state, plan) or refresh.probe(state, plan)
             target = plan.target_offset + block_cols
             with scope("forward"):  # includes the selector's post-forward work (Polestar's block-start clustering)
-                logits, probs = runner(model, state.x, cache, plan, target[None, :].expand(B, -1), probe, hook)
+                logits, probs, packet_logits, cost = runner(
+                    model, state.x, cache, plan, target[None, :].expand(B, -1), probe, hook)
                 refresh.observe(state, plan, probs, cache, refresh_local)
-            state.packet = hook.packet if hook is not None else None
+            state.packet = None
+            if packet_logits is not None:
+                state.packet = UpdatePacket(hook.head_positions, hook.head_valid, packet_logits)
+            weight_bytes += cost.weight_bytes
+            kv_bytes += cost.kv_bytes
+            layer_rows += cost.layer_rows
+            probe_rows += cost.probe_rows
             if probs is not None:
                 commit.observe_probe(state, probs, commit_local)
             stepped = state.active
@@ -178,7 +187,8 @@ def decode(
         SequenceStats(int(n), int(t), int(e), _error_message(int(f)))
         for n, t, e, f in zip(nfe.tolist(), tokens.tolist(), evals.tolist(), failed_at.tolist())
     )
-    stats = RunStats(calls, int(tokens.sum()), wall, int(evals.sum()), seqs)
+    stats = RunStats(calls, int(tokens.sum()), wall, layer_rows, seqs, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
+                     proxy_query_evals=probe_rows)
     return state.x, stats
 
 

@@ -18,7 +18,7 @@ import torch
 from polestar.models.backbone import AttentionProbe
 from polestar.models.plan import DecodeCache, Plan
 
-from .state import CommitSelection, DecodeState, Prediction, SuffixCommit, UpdatePacket
+from .state import CommitSelection, DecodeState, Prediction, SuffixCommit
 
 
 class Stage:
@@ -53,18 +53,32 @@ class Stage:
 class LayerHook:
     """A per-layer controller of one forward (sparse updates), made by a refresh selector for one step.
 
-    The backbone calls ``before_attention(layer, h [B, C, d], index [B, C])`` at each layer after the plan's K/V
-    are written and before any query attends. ``evals``: ``[B]`` long, extra positions computed (counted as
-    compute); ``packet``: the last layer's :class:`~polestar.state.UpdatePacket` when the selector produces one;
-    ``compilable``: False when the hook decides on the host (the step then runs eagerly).
+    The backbone's one pass over each layer's weights (:meth:`polestar.models.backbone.DiffusionLM.layer_step`)
+    calls, at layer ``l``: ``extra_rows(l, h, meter)`` → :class:`~polestar.models.backbone.ExtraRows` or None (rows that go
+    through the layer's q, k, v with the plan's rows ``h [B, C, d]``); after the K/V writes,
+    ``members(l, qkv: LayerQKV)`` → :class:`~polestar.models.backbone.MemberRows` or None (rows that go through
+    attention, o and the MLP with the plan's rows); then ``after_layer(l, out [B, M, d])`` with their outputs.
+
+    ``evals``: ``[B]`` long, positions of each sequence the hook computed (counted as that sequence's compute);
+    ``head_rows``: ``[B, M, d]`` last-layer rows that want logits with the block's (the update packet), with
+    ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False when the hook decides on the host
+    (the step then runs eagerly).
     """
 
     compilable = True
-    packet: UpdatePacket | None = None
     evals: torch.Tensor
+    head_rows: torch.Tensor | None = None
+    head_positions: torch.Tensor | None = None
+    head_valid: torch.Tensor | None = None
 
-    def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:  # pragma: no cover
-        raise NotImplementedError
+    def extra_rows(self, layer: int, h: torch.Tensor, meter):
+        return None
+
+    def members(self, layer: int, qkv):
+        return None
+
+    def after_layer(self, layer: int, out: torch.Tensor) -> None:
+        """Receives the outputs of the rows ``members`` returned."""
 
 
 class RefreshSelector(Stage):

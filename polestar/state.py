@@ -51,8 +51,10 @@ def propose(
 class UpdatePacket(NamedTuple):
     """The last layer's update packet of a sparse refresh, handed from the refresh selector to the commit rule.
 
-    ``positions``: ``[Nw]`` long window columns; ``valid``: ``[B, Nw]`` bool, the members recomputed this step;
-    ``logits``: ``[B, Nw, V]`` logits of those columns' refreshed last-layer outputs (Polestar, Lee et al. 2026).
+    ``positions``: ``[B, M]`` long cache positions of the last layer's member buffer (``M`` its capacity);
+    ``valid``: ``[B, M]`` bool, the slots that hold a member recomputed this step; ``logits``: ``[B, M, V]`` logits
+    of those members' refreshed last-layer outputs (Polestar, Lee et al. 2026), from the same LM-head pass as the
+    block's logits.
     """
 
     positions: torch.Tensor

@@ -1,10 +1,13 @@
 """The per-step forward as one function of tensors, so it can be compiled whole with ``torch.compile``.
 
 ``block_forward`` executes a plan (with an optional sparse-update hook and attention probe) and returns the logits
-of the current block's positions; the Python block/step loop in :mod:`polestar.engine` stays around it. With
+of the current block's positions, the logits of the hook's last-layer rows (the update packet) from the same pass
+over the LM head, and the pass's :class:`~polestar.models.cost.StepCost`; the Python block/step loop in
+:mod:`polestar.engine` stays around it. With
 ``compile=True`` it is wrapped in ``torch.compile(fullgraph=True)`` (``mode="reduce-overhead"`` — CUDA graphs — on
 CUDA, with the cache buffers marked as static addresses). Shapes: ``index, valid [B, C]`` (or per layer
-``[L, B, C]``), ``target_slots [B, bl]`` → logits ``[B, bl, V]`` and probe ``[B, H, R, T + 1]`` or None.
+``[L, B, C]``), ``target_slots [B, bl]`` → logits ``[B, bl, V]``, probe ``[B, H, R, T + 1]`` or None, packet
+logits ``[B, M, V]`` or None, and the cost (plain ints, returned by a compiled step as well).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from polestar.models.backbone import AttentionProbe, DiffusionLM
+from polestar.models.cost import CostMeter
 from polestar.models.plan import DecodeCache, Plan
 
 
@@ -25,9 +29,16 @@ def block_forward(
     probe: AttentionProbe | None,
     hook,
 ):
-    out = model.run_plan(x, cache, Plan(index, valid, 0), probe, hook)
+    meter = CostMeter()
+    out = model.run_plan(x, cache, Plan(index, valid, 0), probe, hook, meter)
     h = out.hidden.gather(1, target_slots[..., None].expand(-1, -1, out.hidden.shape[-1]))
-    return model.head(h), out.probe
+    extra = hook.head_rows if hook is not None else None
+    if extra is None:
+        return model.logits(h, meter), out.probe, None, meter.result()
+    meter.weight(model.final_norm_weight())
+    logits = model.logits(torch.cat([h, model.final_norm(extra)], dim=1), meter)
+    bl = h.shape[1]
+    return logits[:, :bl], out.probe, logits[:, bl:], meter.result()
 
 
 class StepRunner:

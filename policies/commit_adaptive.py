@@ -1,8 +1,8 @@
 """Adaptive commit rules: Polestar-Commit (drift delta + suffix block), EB-sampler's entropy bound, KLASS.
 
 Shapes: ``Prediction.confidence [B, bl]``, ``Prediction.logits [B, bl, V]``, masks ``[B, bl]``; the attention probe
-of the block rows at the last layer ``[B, H, bl, T + 1]``; the update packet ``positions [Nw]``, ``valid [B, Nw]``,
-``logits [B, Nw, V]``.
+of the block rows at the last layer ``[B, H, bl, T + 1]``; the update packet ``positions [B, M]``, ``valid [B, M]``,
+``logits [B, M, V]`` (``M`` the last layer's member capacity).
 """
 
 from __future__ import annotations
@@ -97,10 +97,10 @@ class PolestarCommit(CommitRule):
             return None
         target = packet.positions + state.logit_shift
         inside = (target >= state.block_end) & (target < state.length)
-        target = target.clamp(max=state.length - 1)[None, :].expand(state.batch_size, -1)
+        target = target.clamp(max=state.length - 1)
         tokens, conf = propose(packet.logits, state.mask_id)
         is_masked = state.x.gather(1, target) == state.mask_id
-        commit = packet.valid & inside[None, :] & is_masked & (conf >= self.config.threshold) & state.active[:, None]
+        commit = packet.valid & inside & is_masked & (conf >= self.config.threshold) & state.active[:, None]
         return SuffixCommit(target, tokens, conf, commit)
 
 

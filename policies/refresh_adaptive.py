@@ -2,15 +2,21 @@
 
 Both keep every layer's input hidden states (``needs_hidden``) and, between full refreshes, run the block plus
 a per-layer sparse update: chosen positions are recomputed through the layer from their stored input and their
-outputs overwrite the next layer's stored inputs and K/V (the same update-packet mechanism as Polestar).
+outputs overwrite the next layer's stored inputs and K/V. It is the same mechanism as Polestar's
+(:class:`~polestar.policies.sparse_update.SparseUpdate`, riding along each layer's one weight pass); only the
+:class:`~polestar.policies.sparse_update.MemberStrategy` differs.
 
 * ``elastic`` — Elastic-Cache (Nguyen-Tri et al. 2025, "Attention Is All You Need for KV Cache in Diffusion
   LLMs"): at each layer the ``track_num`` keys most attended by the block in the previous forward are tracked;
   when the cosine similarity between their current and previous attention rows drops below ``gamma``, every
-  position is recomputed from that layer upward.
+  position is recomputed from that layer upward. The tracked keys' queries ride along the layer's q pass; the
+  layer where a row first triggers projects the members' queries in a q pass of its own (the method decides
+  after the layer's attention), which the cost counters include.
 * ``dllm-cache`` — dLLM-Cache (Liu et al. 2025): the prompt is refreshed every ``prompt_interval`` steps and the
   response every ``response_interval`` steps; in between, each layer recomputes the ``ratio`` of response
-  positions whose value vectors (re-projected from their current inputs) differ most from the cached ones.
+  positions whose value vectors (re-projected from their current inputs) differ most from the cached ones. The
+  value probes of every response position ride along the layer's q/k/v pass (the method's own cost: it compares
+  every candidate's value); only the chosen ones go through attention and the MLP.
 
 Shapes: candidates ``[B, N]`` positions; attention rows ``[B, H, R, T + 1]``; selection masks ``[B, N]``.
 """
@@ -22,56 +28,14 @@ import torch
 import torch.nn.functional as F
 from attrs import validators as v
 
+from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
 from polestar.state import DecodeState
 
 from .refresh_basic import block_plan, block_start_plan
-
-
-class _PacketHook(LayerHook):
-    """Per-layer sparse update over candidate positions ``cand [B, N]`` using the cache's stored inputs;
-    ``pending`` holds the previous layer's outputs ``[B, N, d]`` and members ``[B, N]`` until the next layer."""
-
-    def __init__(self, state: DecodeState, cache: DecodeCache, model, cand: torch.Tensor, cand_valid: torch.Tensor):
-        self.state, self.cache, self.model = state, cache, model
-        self.cand, self.cand_valid = cand, cand_valid
-        self.rope_pos = cache.positions.gather(1, cand)
-        self.pending = None
-        self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
-
-    def select(self, layer: int, inputs: torch.Tensor, h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError  # pragma: no cover
-
-    def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        self.apply_pending(layer)
-        self.recompute(layer, h, index)
-
-    def apply_pending(self, layer: int) -> None:
-        """Write the previous layer's member outputs as this layer's stored inputs and re-project their K/V."""
-        if self.pending is None:
-            return
-        model, cache = self.model, self.cache
-        stored = cache.hidden[layer]
-        out, members = self.pending
-        target = torch.where(members, self.cand, cache.trash)
-        stored.scatter_(1, target[..., None].expand(-1, -1, stored.shape[-1]), out)
-        k, v = model.layer_kv(layer, out, self.rope_pos)
-        model.write_kv(cache, layer, target, k, v)
-        self.evals += members.sum(-1)
-
-    def recompute(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        """Run this layer for the members ``select`` picks; their outputs become ``pending``."""
-        model, cache = self.model, self.cache
-        stored = cache.hidden[layer]
-        inputs = stored.gather(1, self.cand[..., None].expand(-1, -1, stored.shape[-1]))
-        if layer == 0:
-            inputs = model.embed(self.state.x.gather(1, self.cand))
-        members = self.select(layer, inputs, h, index) & self.cand_valid
-        out, _ = model.layer_rows(layer, inputs, self.rope_pos, cache)
-        self.evals += members.sum(-1)
-        self.pending = (out, members)
+from .sparse_update import HiddenStore, MemberStrategy, Packet, Selection, SparseUpdate
 
 
 def _outside_block(state: DecodeState, cache: DecodeCache, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +44,29 @@ def _outside_block(state: DecodeState, cache: DecodeCache, lo: int) -> tuple[tor
     cols = torch.cat([torch.arange(min(lo, s), s), torch.arange(state.block_end, state.length)]).to(state.x.device)
     cand = cols[None, :].expand(state.batch_size, -1)
     return cand, cache.key_valid.gather(1, cand) & state.active[:, None]
+
+
+class _CandidateStrategy(MemberStrategy):
+    """Members drawn from candidate positions ``cand [B, N]`` (``cand_valid [B, N]``), stored in the cache's
+    per-layer hidden states (store rows are cache slots)."""
+
+    def __init__(self, state: DecodeState, cache: DecodeCache, model, cand: torch.Tensor, cand_valid: torch.Tensor):
+        self.state, self.cache, self.model = state, cache, model
+        self.cand, self.cand_valid = cand, cand_valid
+        self.store = HiddenStore(cache)
+        self.trash = cache.trash
+        self.cand_pos = cache.positions.gather(1, cand)
+
+    def slots(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def candidate_inputs(self, layer: int, meter) -> torch.Tensor:
+        """Current layer inputs of every candidate ``[B, N, d]`` (layer 0: the token embeddings)."""
+        if layer == 0:
+            tokens = self.state.x.gather(1, self.cand)
+            meter.embedding(self.model.embedding_weight(), tokens.numel())
+            return self.model.embed(tokens)
+        return self.store.read(layer, self.cand)
 
 
 @register("refresh", "elastic")
@@ -106,8 +93,10 @@ class ElasticRefresh(RefreshSelector):
         return block_plan(state)
 
     def hook(self, state, plan, cache, model, local: ElasticState):
-        # the block start's full forward picks the tracked keys (nothing tracked yet since ``begin_block``)
-        return _ElasticHook(self, state, cache, model, local, plan, build=not local.tracked)
+        if not local.tracked:  # the block start's full forward picks the tracked keys (cleared by ``begin_block``)
+            return _ElasticBuild(self, state, cache, model, local, plan.target_offset)
+        strategy = _ElasticMembers(self, state, cache, model, local, plan.target_offset)
+        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device, compilable=False)
 
 
 @attrs.define
@@ -119,54 +108,84 @@ class ElasticState:
     prev: dict = attrs.field(factory=dict)
 
 
-class _ElasticHook(_PacketHook):
-    compilable = False  # the trigger decides on the host, layer by layer
-    def __init__(self, sel, state, cache, model, local: ElasticState, plan: Plan, build: bool):
+class _ElasticBuild(LayerHook):
+    """Block start (full plan: slot == position): at each layer pick the tracked keys from the block's attention
+    mass and record their attention rows, all from the layer's own q pass."""
+
+    compilable = False
+
+    def __init__(self, sel, state: DecodeState, cache: DecodeCache, model, local: ElasticState, block_slots: int):
+        self.sel, self.state, self.cache, self.model, self.local = sel, state, cache, model, local
+        self.block_slots = block_slots
+        self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
+
+    def members(self, layer: int, qkv: LayerQKV) -> None:
+        cache, local = self.cache, self.local
+        tracked = _most_attended(self.model, cache, layer, qkv, self.block_slots, self.state.block_length,
+                                 self.sel.config.track_num)
+        H, hd = qkv.q.shape[1], qkv.q.shape[3]
+        q_tracked = qkv.q.gather(2, tracked[:, None, :, None].expand(-1, H, -1, hd))
+        local.tracked.append(tracked)
+        local.prev[layer] = self.model.attention_probs(q_tracked, cache.k[layer], cache.key_valid, qkv.meter)
+        return None
+
+
+def _most_attended(model, cache: DecodeCache, layer: int, qkv: LayerQKV, block_slots: int, bl: int, k: int):
+    """The ``k`` keys ``[B, k]`` the block's queries (plan slots ``[block_slots, block_slots + bl)``) attend to most,
+    summed over heads and queries."""
+    q_block = qkv.q[:, :, block_slots : block_slots + bl]
+    mass = model.attention_probs(q_block, cache.k[layer], cache.key_valid, qkv.meter).sum(dim=(1, 2))  # [B, T+1]
+    return mass[:, : cache.length].topk(k, dim=1).indices
+
+
+class _ElasticMembers(_CandidateStrategy):
+    """Elastic-Cache's member choice: every candidate of a row, from the layer where its tracked keys' attention
+    drifted past ``gamma`` upward. Query-only rows: the tracked keys (and, once some row triggered, every
+    candidate's current input, whose K/V are re-projected for the triggered rows)."""
+
+    def __init__(self, sel, state, cache, model, local: ElasticState, block_slots: int):
         cand, valid = _outside_block(state, cache, 0)
         super().__init__(state, cache, model, cand, valid)
-        self.sel, self.local, self.build = sel, local, build
+        self.sel, self.local, self.block_slots = sel, local, block_slots
         self.triggered = torch.zeros(state.batch_size, dtype=torch.bool, device=state.x.device)
-        self.block_slots = plan.target_offset
+        self.n_cand = 0
 
-    def _tracked_rows(self, layer, h, index):
-        """Attention rows of the tracked keys' queries now ``[B, H, track, T+1]`` and the block's attention mass."""
-        model, cache = self.model, self.cache
-        bl = self.state.block_length
-        hb = h[:, self.block_slots : self.block_slots + bl]
-        pos_b = cache.positions.gather(1, index[:, self.block_slots : self.block_slots + bl])
-        mass = model.query_probs(layer, hb, pos_b, cache).sum(dim=(1, 2))  # [B, T+1]
-        return mass
+    def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
+                   meter) -> ExtraRows:
+        tracked = self.local.tracked[layer]
+        t_in = self.store.read(layer, tracked)
+        t_pos = self.cache.positions.gather(1, tracked)
+        probes = ExtraRows(t_in, t_pos, torch.full_like(tracked, self.cache.trash))
+        self.n_cand = 0
+        if packet is None:
+            return probes
+        # rows triggered below: every candidate's new input re-projects its K/V; the others' rows give queries
+        self.n_cand = self.cand.shape[1]
+        kv_index = torch.where(self.triggered[:, None] & self.cand_valid, self.cand, self.cache.trash)
+        cand = ExtraRows(self.candidate_inputs(layer, meter), self.cand_pos, kv_index)
+        return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(cand, probes)))
 
-    def before_attention(self, layer, h, index):
-        model, cache, local = self.model, self.cache, self.local
-        k = self.sel.config.track_num
-        if self.build:  # block start (full plan: slot == position): pick tracked keys, record their rows
-            mass = self._tracked_rows(layer, h, index)
-            tracked = mass[:, : cache.length].topk(k, dim=1).indices
-            local.tracked.append(tracked)
-            t_in = h.gather(1, tracked[..., None].expand(-1, -1, h.shape[-1]))
-            local.prev[layer] = model.query_probs(layer, t_in, cache.positions.gather(1, tracked), cache)
-            return
-        tracked = local.tracked[layer]
-        d = cache.hidden[layer].shape[-1]
-        t_in = cache.hidden[layer].gather(1, tracked[..., None].expand(-1, -1, d))
-        self.apply_pending(layer)  # rows triggered below this layer: their new inputs and K/V here
-        t_pos = cache.positions.gather(1, tracked)
-        now = model.query_probs(layer, t_in, t_pos, cache)
+    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
+        cache, local, model = self.cache, self.local, self.model
+        C, n = qkv.n_plan, self.n_cand
+        q_tracked = qkv.q[:, :, C + n :]
+        now = model.attention_probs(q_tracked, cache.k[layer], cache.key_valid, qkv.meter)
         prev = local.prev.get(layer)
         if prev is not None:
             sim = F.cosine_similarity(now.flatten(2), prev.flatten(2), dim=-1).mean(dim=1)  # [B]
             self.triggered |= (sim < self.sel.config.gamma) & self.state.active
         local.prev[layer] = now
+        local.tracked[layer] = _most_attended(model, cache, layer, qkv, self.block_slots, self.state.block_length,
+                                              self.sel.config.track_num)
         # a row triggered here is recomputed from this layer upward, whatever the other rows do. Host read per
         # layer until some row triggers (skips the recompute while none has); the hook is not compilable for it
-        if self.pending is not None or bool(self.triggered.any()):
-            self.recompute(layer, h, index)
-        mass = self._tracked_rows(layer, h, index)
-        local.tracked[layer] = mass[:, : cache.length].topk(k, dim=1).indices
-
-    def select(self, layer, inputs, h, index):
-        return self.triggered[:, None].expand_as(self.cand)
+        if packet is None and not bool(self.triggered.any()):
+            return None
+        valid = self.triggered[:, None] & self.cand_valid
+        rows = torch.where(valid, self.cand, self.trash)
+        if packet is None:  # the first trigger: the members' queries need a q pass of their own
+            return Selection(rows, valid, None, self.candidate_inputs(layer, qkv.meter))
+        return Selection(rows, valid, qkv.q[:, :, C : C + n])
 
 
 @register("refresh", "dllm-cache")
@@ -198,21 +217,42 @@ class DLLMCacheRefresh(RefreshSelector):
         cand, valid = _outside_block(state, cache, state.prompt_len)
         if cand.shape[1] == 0:
             return None
-        return _ValueChangeHook(state, cache, model, cand, valid, self.config.ratio)
+        return SparseUpdate(_ValueChangeMembers(state, cache, model, cand, valid, self.config.ratio), model, cache,
+                            state.batch_size, state.x.device)
 
 
-class _ValueChangeHook(_PacketHook):
+class _ValueChangeMembers(_CandidateStrategy):
+    """dLLM-Cache's member choice: the ``ratio`` of candidates whose value vectors, re-projected from their current
+    inputs in the layer's pass, are least cosine-similar to the cached ones. Every candidate is a query-only row
+    (its K/V are written only where it is in the packet, i.e. its input just changed)."""
+
     def __init__(self, state, cache, model, cand, valid, ratio: float):
         super().__init__(state, cache, model, cand, valid)
-        self.n_pick = max(1, round(ratio * cand.shape[1])) if ratio > 0 else 0
+        self.n_pick = min(cand.shape[1], max(1, round(ratio * cand.shape[1]))) if ratio > 0 else 0
 
-    def select(self, layer, inputs, h, index):
+    def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
+                   meter) -> ExtraRows:
+        self.inputs = self.candidate_inputs(layer, meter)
+        kv_index = torch.full_like(self.cand, self.cache.trash)
+        if packet is not None:  # the packet's rows re-project their K/V from their new inputs (already stored)
+            in_packet = torch.zeros_like(self.cache.key_valid).scatter_(1, packet.rows, packet.valid)
+            kv_index = torch.where(in_packet.gather(1, self.cand) & self.cand_valid, self.cand, self.cache.trash)
+        return ExtraRows(self.inputs, self.cand_pos, kv_index)
+
+    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection:
+        C, N = qkv.n_plan, self.cand.shape[1]
         if self.n_pick == 0:
-            return torch.zeros_like(self.cand_valid)
-        _, v_new = self.model.layer_kv(layer, inputs, self.rope_pos)
+            none = torch.zeros_like(self.cand_valid[:, :0])
+            return Selection(self.cand[:, :0], none, qkv.q[:, :, C:C], self.inputs[:, :0])
+        v_new = qkv.v[:, :, C : C + N]
         hkv = v_new.shape[1]
         v_old = self.cache.v[layer].gather(2, self.cand[:, None, :, None].expand(-1, hkv, -1, v_new.shape[-1]))
         sim = F.cosine_similarity(v_new.float(), v_old.float(), dim=-1).mean(dim=1)  # [B, N]
         sim = sim.masked_fill(~self.cand_valid, float("inf"))
-        pick = sim.topk(min(self.n_pick, sim.shape[1]), dim=1, largest=False).indices
-        return torch.zeros_like(self.cand_valid).scatter_(1, pick, True)
+        pick = sim.topk(self.n_pick, dim=1, largest=False).indices  # [B, n_pick]
+        valid = self.cand_valid.gather(1, pick)
+        rows = torch.where(valid, self.cand.gather(1, pick), self.trash)
+        H, hd = qkv.q.shape[1], qkv.q.shape[3]
+        q = qkv.q[:, :, C : C + N].gather(2, pick[:, None, :, None].expand(-1, H, -1, hd))
+        inputs = self.inputs.gather(1, pick[..., None].expand(-1, -1, self.inputs.shape[-1]))
+        return Selection(rows, valid, q, inputs)

@@ -1,41 +1,47 @@
 """Polestar-Cache refresh selector: drift-aware sparse updates of the local window (Lee et al. 2026).
 
-Per block: a full forward (every ``window_refresh_every``-th block only the window) rebuilds K/V, and per layer the
-window's input hidden states are clustered (``cluster`` stage, ``n_clusters`` split between the prefix and suffix
-parts in proportion to their lengths, 5/3 for 2+1 blocks) and stored (``quant`` + ``offload`` stages). Each centroid
-becomes a proxy query (``q_proj(attn_norm(c))``, RoPE at its members' mean position) scored against the layer's
-cached keys; the ``drift`` stage compares this step's proxy distribution with the previous update's. The ``topk``
-most drifting clusters of a layer (``topk_last`` at the last layer) are recomputed through that layer and their
-outputs (the update packet) overwrite their stored inputs and K/V at the next layer; centroids shift by their
-members' change. Updates run when the previous step committed more than ``tau_upd`` tokens or more than
-``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the refreshed
-positions (``LayerHook.packet``, an :class:`~polestar.state.UpdatePacket`: ``positions [Nw]``, ``valid [B, Nw]``,
-``logits [B, Nw, V]``), which the engine hands to the commit rule as ``DecodeState.packet``. Per-generation state
-(window, member store, clusters, proxy distributions) lives in a :class:`PolestarRefreshState` reset at each
-block start.
+Per block: a full forward (every ``window_refresh_every``-th block only the window) rebuilds K/V. During it, at each
+layer, the window's input hidden states are clustered (``cluster`` stage, ``n_clusters`` split between the prefix
+and suffix parts in proportion to their lengths, 5/3 for 2+1 blocks) and stored with their queries (``quant`` +
+``offload`` stages, :class:`~polestar.policies.row_store.RowStore`); each centroid becomes a proxy query
+(``q_proj(attn_norm(c))``, RoPE at its members' mean position) that rides along the layer's q pass, and its
+attention over the layer's keys is recorded. At a sparse-update step the same happens at every layer inside the
+step's one pass (:mod:`polestar.policies.sparse_update`): the ``drift`` stage compares the proxy distributions with
+the previous update's, the members of the ``topk`` most drifting clusters (``topk_last`` at the last layer) are
+gathered into a fixed-capacity buffer (``capacity`` times the expected member count ``Nw * k / n_clusters``,
+at most the window; the highest-drifting clusters first when the chosen clusters hold more) and recomputed
+through the layer with the block; their outputs (the update packet) overwrite their stored inputs and K/V at the
+next layer, and centroids shift by their members' change. A member's query is its stored one: a query changes
+only when its input does, and an input changes only by a packet, which re-projects it in the next layer's pass;
+so no layer's q weight is read twice. Updates run when the previous step committed more than ``tau_upd`` tokens or
+more than ``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the
+refreshed positions in the block's LM-head pass (:class:`~polestar.state.UpdatePacket`), which the engine hands to
+the commit rule as ``DecodeState.packet``. Per-generation state lives in a :class:`PolestarRefreshState`.
 
 Shapes: window ``Nw = (prefix_blocks + suffix_blocks) * block_length`` columns; centroids ``[B, K, d]``; proxy
-distributions ``[B, H, K, T + 1]``; drift ``[B, K]``.
+distributions ``[B, H, K, T + 1]``; drift ``[B, K]``; member buffer ``[B, M_l]`` per layer.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 
 import attrs
 import torch
 from attrs import validators as v
 
 from polestar.kernels.kmeans import init_keys
+from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
-from polestar.state import DecodeState, UpdatePacket
+from polestar.state import DecodeState
 from polestar.streams import SideStream
 
 from .refresh_basic import block_plan, block_start_plan
-from .sparse_update import MemberStore, Window, make_window
+from .row_store import RowStore
+from .sparse_update import MemberStrategy, Packet, Selection, SparseUpdate, Window, make_window, to_capacity
 
 
 def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
@@ -48,13 +54,23 @@ def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
     return min(k_pre, n_pre), min(total - k_pre, n_post)
 
 
+def cluster_ranks(drift: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rank of each cluster by drift, 0 = most drifting, empty clusters last: ``drift, counts [B, K]`` → long
+    ``[B, K]``. Ties go to the lower cluster index."""
+    scores = drift.float().masked_fill(counts == 0, float("-inf"))
+    return scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+
+
 def top_clusters(drift: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` most drifting non-empty clusters of each row: ``drift, counts [B, K]`` → bool ``[B, K]``.
     Ties go to the lower cluster index, so a larger ``k`` always selects a superset."""
-    K = drift.shape[1]
-    scores = drift.float().masked_fill(counts == 0, float("-inf"))
-    rank = scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
-    return (rank < min(k, K)) & (counts > 0)
+    return (cluster_ranks(drift, counts) < min(k, drift.shape[1])) & (counts > 0)
+
+
+def member_capacity(window: int, k: int, n_clusters: int, capacity: float) -> int:
+    """Rows of a layer's member buffer: ``capacity`` times the expected member count ``window * k / n_clusters``
+    (rounded up), at most ``window``."""
+    return min(window, math.ceil(capacity * window * min(k, n_clusters) / n_clusters))
 
 
 @register("refresh", "polestar")
@@ -70,6 +86,7 @@ class PolestarRefresh(RefreshSelector):
         suffix_blocks: int = attrs.field(default=1, validator=v.ge(0))
         tau_upd: int = attrs.field(default=1, validator=v.ge(0))
         window_refresh_every: int = attrs.field(default=4, validator=v.ge(0))
+        capacity: float = attrs.field(default=1.5, validator=v.gt(0.0))
 
     needs_hidden = False
     requires = {"drift": "kl", "cluster": "kmeans", "quant": "nvfp4", "offload": "none"}
@@ -83,7 +100,7 @@ class PolestarRefresh(RefreshSelector):
         return PolestarRefreshState(SideStream(state.x.device))
 
     def begin_block(self, local: PolestarRefreshState, state: DecodeState) -> None:
-        local.window = local.store = local.build = None
+        local.window = local.store = local.qstore = None
         local.since = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
         for clusters in local.per_layer():
             clusters.clear()
@@ -108,43 +125,48 @@ class PolestarRefresh(RefreshSelector):
                                        self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
             if local.window.size == 0:
                 return None
-            local.store = MemberStore(self.quant, self.offload, model.spec.n_layers, state.x.device, model.dtype)
+            local.store, local.qstore = local.stores_for(self, state, model)
             plan_start = state.block_start - state.logit_shift - plan.target_offset
-            local.build = _BuildHook(self, state, plan_start, cache, model, local)
-            return local.build
+            return _BuildHook(self, state, plan_start, cache, model, local)
         if local.window.size == 0 or not local.centroids:
             return None
-        # the block start's side-stream work must finish before this step writes K/V or reads the clusters
-        local.side.join(*[t for clusters in local.per_layer() for t in clusters])
+        # the block start's side-stream work (storing the window) must finish before this step reads the stores
+        local.side.join()
         last = state.last_commits
         tau = self.config.tau_upd
         due = state.active & ((last > tau) | (local.since + last > tau + 1))
         local.since = torch.where(due, 0, local.since + last)
         if not bool(due.any()):  # one host read per step, skipping the sparse update entirely when no row is due
             return None
-        return _UpdateHook(self, state, cache, model, local, due)
+        strategy = _PolestarMembers(self, state, cache, model, local, due)
+        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device,
+                            compilable=getattr(self.offload, "compilable", True))
 
-    def observe(self, state: DecodeState, plan: Plan, probe, cache: DecodeCache, local: PolestarRefreshState) -> None:
-        if local.build is not None:
-            local.build.finish()
-            local.build = None
+    def capacities(self, window: int, n_layers: int) -> list[int]:
+        """Member-buffer rows per layer (:func:`member_capacity`; ``topk_last`` at the last layer)."""
+        c = self.config
+        return [member_capacity(window, c.topk_last if layer == n_layers - 1 else c.topk, c.n_clusters, c.capacity)
+                for layer in range(n_layers)]
 
 
 @attrs.define
 class PolestarRefreshState:
-    """Per-generation state of :class:`PolestarRefresh`; everything but ``side`` is reset at each block start.
+    """Per-generation state of :class:`PolestarRefresh`; everything but ``side`` and the store buffers is reset at
+    each block start.
 
     ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window` (None until the
-    block's first forward); ``store``: its :class:`MemberStore`; ``build``: the block start's hook until
-    ``observe`` finishes it; ``since``: ``[B]`` tokens committed since each row's last update; per layer ``l``:
+    block's first forward); ``store``: the window's stored layer inputs and ``qstore`` their queries
+    (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
+    ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; per layer ``l``:
     ``centroids[l] [B, K, d]``, ``labels[l] [B, Nw]`` (-1 invalid), ``counts[l] [B, K]``,
     ``centroid_pos[l] [B, K]`` and the last update's proxy distributions ``prev[l] [B, H, K, T+1]``.
     """
 
     side: SideStream
     window: Window | None = None
-    store: MemberStore | None = None
-    build: _BuildHook | None = None
+    store: RowStore | None = None
+    qstore: RowStore | None = None
+    buffers: dict = attrs.field(factory=dict)
     since: torch.Tensor | None = None
     centroids: list = attrs.field(factory=list)
     labels: list = attrs.field(factory=list)
@@ -156,146 +178,160 @@ class PolestarRefreshState:
         """The per-layer lists (centroids, labels, counts, centroid_pos, prev)."""
         return self.centroids, self.labels, self.counts, self.centroid_pos, self.prev
 
-
-@functools.cache
-def _compiled_store_layers():
-    """``_store_layers`` through ``torch.compile`` (made once per process, for generations with ``compile=True``)."""
-    return torch.compile(_store_layers, fullgraph=True)
+    def stores_for(self, sel: PolestarRefresh, state: DecodeState, model) -> tuple[RowStore, RowStore]:
+        """The (input, query) stores for this block's window size, allocated on first use."""
+        n = self.window.size
+        if n not in self.buffers:
+            spec = model.spec
+            args = (sel.quant, sel.offload, spec.n_layers, state.batch_size, n)
+            self.buffers[n] = (RowStore(*args, spec.d_model, state.x.device, model.dtype),
+                               RowStore(*args, spec.n_heads * spec.head_dim, state.x.device, model.dtype))
+        return self.buffers[n]
 
 
 class _BuildHook(LayerHook):
-    """Block start: capture each layer's window inputs during the forward; cluster, store and score them after it.
+    """Block start: at each layer of the forward, cluster the window's inputs, store them (residuals to their
+    centroid) and their queries, and record the centroids' proxy distributions.
 
-    ``before_attention`` only gathers the window rows of the layer input (so the block-start forward compiles like
-    any other step); :meth:`finish`, called from :meth:`PolestarRefresh.observe` after the forward, clusters them,
-    stores the members and records the proxy distributions against the layer's keys -- the same keys the hook saw,
-    since nothing writes layer ``l``'s K/V after its attention. That work is only consumed by the next step, so on
-    CUDA it is issued on the side stream. k-means runs once per window part for all layers together; with
-    ``compile=True`` the store and proxy scoring of all layers run as one compiled graph. The clusterer's random
-    initial keys are drawn when the hook is made, in a fixed (layer, part) order. Clustering itself stays eager:
-    compiling it (torch 2.13, CPU inductor) unrolled the k-means iterations into a ~10k-line kernel that took 20
-    minutes to build on 2 busy cores and then failed at run time in the stable sort of the reseed step
-    (``UnboundLocalError`` in the generated code)."""
+    The centroids ride along the layer's q pass as query-only rows (:meth:`extra_rows`); after the layer's K/V
+    writes, their attention over the keys becomes ``prev`` and the window rows' queries go to the query store
+    (:meth:`members`). The clusterer's random initial keys are drawn when the hook is made, in a fixed (layer,
+    part) order, one key row shared by the batch. Not compilable: compiling k-means (torch 2.13, CPU inductor)
+    unrolled its iterations into a ~10k-line kernel that took 20 minutes to build and then failed at run time in
+    the stable sort of the reseed step; a block start runs eagerly.
+    """
+
+    compilable = False
 
     def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, local: PolestarRefreshState):
         self.sel, self.state, self.cache, self.model, self.local = sel, state, cache, model, local
         window: Window = local.window
-        self.slots = (window.positions - plan_start)[None, :].expand(state.batch_size, -1)
-        self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
+        B = state.batch_size
+        self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
+        self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
         n_pre = window.n_prefix
         k_pre, k_post = split_clusters(sel.config.n_clusters, n_pre, window.size - n_pre)
         # (lo, hi, k) column range and cluster count of the prefix and suffix parts; empty parts dropped
         self.parts = [(lo, hi, k) for lo, hi, k in ((0, n_pre, k_pre), (n_pre, window.size, k_post)) if k > 0]
-        # per part, keys [L * B, n] for all layers, drawn layer by layer (the order of the per-layer clustering)
-        per_part: list[list] = [[] for _ in self.parts]
+        # keys[layer][part] [B, n]: one key row shared by the batch, so a row's keys do not depend on the batch
+        self.keys = [[None] * len(self.parts) for _ in range(model.spec.n_layers)]
         if sel.clusterer.needs_keys:
-            for _ in range(model.spec.n_layers):
-                for drawn, (lo, hi, _k) in zip(per_part, self.parts):
-                    # one key row shared by the batch: a row's keys do not depend on the batch size
-                    keys = init_keys(1, hi - lo, state.generator, state.x.device)
-                    drawn.append(keys.expand(state.batch_size, -1))
-        self.keys = [torch.cat(drawn) if drawn else None for drawn in per_part]
-        self.inputs: list = [None] * model.spec.n_layers
+            for per_layer in self.keys:
+                for i, (lo, hi, _k) in enumerate(self.parts):
+                    per_layer[i] = init_keys(1, hi - lo, state.generator, state.x.device).expand(B, -1)
+        self.rope_pos = cache.positions.index_select(1, window.positions)
 
-    def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        self.inputs[layer] = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
-
-    def finish(self) -> None:
-        """Cluster every layer's window inputs in one batched call per window part (groups = layers x rows), then
-        store and score each layer. Consumed only by the next step: issued on the side stream on CUDA."""
-        with self.local.side.run(*self.inputs, *self.cache.k):
-            clusters = self._cluster_layers(torch.stack(self.inputs))
-            store = _compiled_store_layers() if self.state.compile else _store_layers
-            store(self, self.inputs, *clusters)
-
-    def _cluster_layers(self, hw: torch.Tensor):
-        """``hw [L, B, Nw, d]`` → ``centroids [L, B, K, d]``, ``labels [L, B, Nw]`` (window-wide cluster ids, -1
-        invalid), ``counts [L, B, K]``; the prefix and suffix parts are clustered separately."""
-        L, B, _, d = hw.shape
+    def _cluster(self, layer: int, hw: torch.Tensor):
+        """``hw [B, Nw, d]`` → ``centroids [B, K, d]``, ``labels [B, Nw]`` (window-wide cluster ids, -1 invalid),
+        ``counts [B, K]``; the prefix and suffix parts are clustered separately."""
         valid = self.local.window.valid
         out, offset = [], 0
-        for (lo, hi, k), keys in zip(self.parts, self.keys):
-            x = hw[:, :, lo:hi].reshape(L * B, hi - lo, d).float()
+        for (lo, hi, k), keys in zip(self.parts, self.keys[layer]):
             with scope("cluster"):
-                c, lab, cnt = self.sel.clusterer.cluster(x, k, valid[:, lo:hi].repeat(L, 1), None, keys)
-            out.append((c.view(L, B, k, d), torch.where(lab >= 0, lab + offset, -1).view(L, B, -1), cnt.view(L, B, k)))
+                c, lab, cnt = self.sel.clusterer.cluster(hw[:, lo:hi].float(), k, valid[:, lo:hi], None, keys)
+            out.append((c, torch.where(lab >= 0, lab + offset, -1), cnt))
             offset += k
-        return (torch.cat([p[0] for p in out], dim=2).to(hw.dtype), torch.cat([p[1] for p in out], dim=2),
-                torch.cat([p[2] for p in out], dim=2))
+        return (torch.cat([p[0] for p in out], dim=1).to(hw.dtype), torch.cat([p[1] for p in out], dim=1),
+                torch.cat([p[2] for p in out], dim=1))
 
-    def _store_layer(self, layer: int, hw: torch.Tensor, centroids, labels, counts) -> None:
+    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows:
         local = self.local
-        window = local.window
+        hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
+        centroids, labels, counts = self._cluster(layer, hw)
         k_total = centroids.shape[1]
         onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_total).float() * (labels >= 0)[..., None].float()
-        pos = self.cache.positions.index_select(1, window.positions).float()
-        centroid_pos = (torch.einsum("bnk,bn->bk", onehot, pos) / counts.clamp_min(1)).round().long()
+        centroid_pos = (torch.einsum("bnk,bn->bk", onehot, self.rope_pos.float()) / counts.clamp_min(1)).round().long()
         anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, hw.shape[-1]))
-        with scope("store"):
-            local.store.put(layer, hw, anchor)
+        with local.side.run(hw, anchor), scope("store"):
+            local.store.write_all(layer, hw, anchor)
         local.centroids.append(centroids)
         local.labels.append(labels)
         local.counts.append(counts)
         local.centroid_pos.append(centroid_pos)
+        return ExtraRows(centroids, centroid_pos, torch.full_like(centroid_pos, self.cache.trash))
+
+    def members(self, layer: int, qkv: LayerQKV) -> None:
+        local, C = self.local, qkv.n_plan
+        B, H, _, hd = qkv.q.shape
+        q_window = qkv.q[:, :, :C].gather(2, self.slots[:, None, :, None].expand(-1, H, -1, hd))
+        with local.side.run(q_window), scope("store"):
+            local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            local.prev.append(self.model.proxy_attention(layer, centroids, self.cache, centroid_pos))
+            local.prev.append(self.model.attention_probs(qkv.q[:, :, C:], self.cache.k[layer], self.cache.key_valid,
+                                                         qkv.meter))
+        return None
 
 
-def _store_layers(hook: _BuildHook, inputs: list, centroids, labels, counts) -> None:
-    """Store and score every layer's window (``centroids [L, B, K, d]``, ``labels [L, B, Nw]``, ``counts [L, B, K]``);
-    a free function so one ``torch.compile`` of it serves every block start."""
-    for layer, hw in enumerate(inputs):
-        hook._store_layer(layer, hw, centroids[layer], labels[layer], counts[layer])
+class _PolestarMembers(MemberStrategy):
+    """Polestar's member choice at a sparse-update step (see the module docstring): query-only rows are the layer's
+    centroids; members are the window rows of the top drifting clusters, queries from the query store. ``due [B]``:
+    rows that update at this step (the others choose no member)."""
 
-
-class _UpdateHook(LayerHook):
-    """Sparse update step: packet K/V at each layer, proxy drift, top-k clusters, member recompute."""
+    wants_old = True
 
     def __init__(self, sel: PolestarRefresh, state, cache, model, local: PolestarRefreshState, due: torch.Tensor):
-        self.sel, self.state, self.cache, self.model, self.local, self.due = sel, state, cache, model, local, due
+        self.sel, self.cache, self.model, self.local, self.due = sel, cache, model, local, due
         window: Window = local.window
-        B = state.batch_size
         self.window = window
-        self.index = window.positions[None, :].expand(B, -1)
-        self.rope_pos = cache.positions.index_select(1, window.positions)
-        self.packet_h = None
-        self.packet_valid = None
-        self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
+        self.store = local.store
+        self.trash = window.size
+        self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
+        self.capacity = sel.capacities(window.size, model.spec.n_layers)
+        self.wants_head = sel.packet_logits
+        self.x = torch.cat([state.x, state.x[:, :1]], dim=1)  # the trash slot reads token 0
+        self.n_kv = 0
 
-    def before_attention(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        model, cache, local, sel = self.model, self.cache, self.local, self.sel
-        trash = cache.trash
-        if self.packet_h is not None:  # the previous layer's packet: new inputs here, re-project their K/V
-            k, v = model.layer_kv(layer, self.packet_h, self.rope_pos)
-            model.write_kv(cache, layer, torch.where(self.packet_valid, self.index, trash), k, v)
-            self.evals += self.packet_valid.sum(-1)
+    def slots(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.row_slot[rows]
+
+    def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
+        """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""
+        local = self.local
+        labels = local.labels[layer].gather(1, packet.rows.clamp(max=self.trash - 1))
+        k_clusters = local.centroids[layer].shape[1]
+        keep = (packet.valid & (labels >= 0))[..., None].to(old.dtype)
+        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype) * keep
+        delta = torch.einsum("bmk,bmd->bkd", onehot, packet.out.to(old.dtype) - old)
+        counts = local.counts[layer].clamp_min(1)[..., None].to(old.dtype)
+        local.centroids[layer] = local.centroids[layer] + (delta / counts).to(local.centroids[layer].dtype)
+
+    def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
+                   meter) -> ExtraRows:
+        local = self.local
+        pos = local.centroid_pos[layer]
+        proxies = ExtraRows(local.centroids[layer], pos, torch.full_like(pos, self.cache.trash))
+        self.n_kv = 0 if kv is None else kv.inputs.shape[1]
+        if kv is None:
+            return proxies
+        return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(kv, proxies)))
+
+    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection:
+        local, sel, model = self.local, self.sel, self.model
+        B, H, _, hd = qkv.q.shape
+        q_extra = qkv.q[:, :, qkv.n_plan:]
+        if packet is not None:  # the packet rows' new queries, from this layer's pass, replace the stored ones
+            q_packet = q_extra[:, :, : self.n_kv]
             with scope("store"):
-                old = local.store.update(layer, self.packet_valid, self.packet_h)
-            labels = local.labels[layer]
-            k_clusters = local.centroids[layer].shape[1]
-            onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype)
-            onehot = onehot * (self.packet_valid & (labels >= 0))[..., None].to(old.dtype)
-            delta = torch.einsum("bnk,bnd->bkd", onehot, self.packet_h.to(old.dtype) - old)
-            counts = local.counts[layer].clamp_min(1)[..., None].to(old.dtype)
-            local.centroids[layer] = local.centroids[layer] + delta / counts
+                local.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            cur = model.proxy_attention(layer, local.centroids[layer], cache, local.centroid_pos[layer])
+            cur = model.attention_probs(q_extra[:, :, self.n_kv:], self.cache.k[layer], self.cache.key_valid,
+                                        qkv.meter)
         with scope("drift"):
             drift = sel.drift.score(cur, local.prev[layer])
         local.prev[layer] = torch.where(self.due[:, None, None, None], cur, local.prev[layer])
-        n_layers = model.spec.n_layers
-        k = sel.config.topk_last if layer == n_layers - 1 else sel.config.topk
-        top = top_clusters(drift, local.counts[layer], k)
+        k = sel.config.topk_last if layer == model.spec.n_layers - 1 else sel.config.topk
+        counts = local.counts[layer]
+        rank = cluster_ranks(drift, counts)
         labels = local.labels[layer]
-        members = self.window.valid & (labels >= 0) & top.gather(1, labels.clamp_min(0)) & self.due[:, None]
-        if layer == 0:
-            inputs = model.embed(self.state.x.index_select(1, self.window.positions))
-        else:
-            with scope("store"):
-                inputs = local.store.get(layer)
-        with scope("packet"):
-            out, _ = model.layer_rows(layer, inputs, self.rope_pos, cache)
-        self.evals += members.sum(-1)
-        self.packet_h, self.packet_valid = out, members
-        if layer == n_layers - 1 and sel.packet_logits:
-            self.packet = UpdatePacket(self.window.positions, members, model.head(model.final_norm(out)))
+        label_rank = rank.gather(1, labels.clamp_min(0))
+        chosen = (label_rank < min(k, rank.shape[1])) & (counts.gather(1, labels.clamp_min(0)) > 0)
+        member = self.window.valid & (labels >= 0) & chosen & self.due[:, None]
+        rows, valid = to_capacity(member, label_rank, self.capacity[layer], self.trash)
+        with scope("store"):
+            q = local.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
+        inputs = None
+        if layer == 0:  # layer 0's input is the token embedding: read it, not the store
+            tokens = self.x.gather(1, self.slots(rows))
+            inputs = model.embed(tokens)
+            qkv.meter.embedding(model.embedding_weight(), tokens.numel())
+        return Selection(rows, valid, q, inputs)

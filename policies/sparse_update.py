@@ -1,11 +1,18 @@
-"""Machinery shared by the sparse-refresh selectors: the local window, the member store and the update packet.
+"""The one sparse-update mechanism shared by Polestar-Cache, Elastic-Cache and dLLM-Cache.
 
-A sparse update recomputes, at each layer ``l``, some window positions (*members*) from their stored layer input:
-their queries attend over the layer's current K/V and the MLP runs, giving their layer output — the *update
-packet*. At layer ``l + 1`` the packet overwrites those positions' stored inputs and their K/V are re-projected
-before any query attends (Polestar, Lee et al. 2026, "Polestar-Cache"). Which members a layer picks is the only
-thing that differs between Polestar (top-k drifting clusters), Elastic-Cache (everything from a layer upward) and
-dLLM-Cache (the positions whose values changed most).
+A sparse update recomputes, at each layer ``l``, some positions outside the current block (*members*) from their
+stored layer input: their queries attend over the layer's current K/V and the MLP runs, giving their layer output,
+the *update packet*. At layer ``l + 1`` the packet overwrites those positions' stored inputs and their K/V are
+re-projected before any query attends (Polestar, Lee et al. 2026, "Polestar-Cache"; Elastic-Cache and dLLM-Cache
+refresh the same way). All of it rides along the layer's one pass over its weights
+(:meth:`polestar.models.backbone.DiffusionLM.layer_step`): the packet's rows and the strategy's query-only rows go
+through q, k, v with the block's rows, and the members, gathered into a fixed-capacity buffer, go through
+attention, o and the MLP with them. Nothing outside the chosen members is computed.
+
+What differs between the three methods is a :class:`MemberStrategy`: which query-only rows it adds (Polestar's
+cluster centroids, Elastic-Cache's tracked keys, dLLM-Cache's value probes), how it picks the members from what the
+layer's pass shows it, where the stored inputs live (a :class:`RowStore` of the local window for Polestar, the
+cache's per-layer hidden states for the baselines) and where members' queries come from.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from typing import NamedTuple
 
 import torch
 
+from polestar.models.backbone import ExtraRows, LayerQKV, MemberRows
 from polestar.models.plan import DecodeCache
+from polestar.stages import LayerHook
 
 
 class Window(NamedTuple):
@@ -48,38 +57,142 @@ def make_window(block_start: int, block_end: int, shift: int, prefix: int, suffi
     return Window(positions, valid, pre.numel())
 
 
-class MemberStore:
-    """Per-layer stored inputs of the window positions, kept through a quantizer and an offloader.
+def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int, trash: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the chosen rows into a fixed-capacity buffer.
 
-    Lossless quantizers keep the values (``[B, Nw, d]``); lossy ones keep ``value − anchor`` (the residual to the
-    block-start centroid of the member's cluster, ``anchor [B, Nw, d]``), as the paper stores NVFP4 residuals.
-    ``get(layer)`` → ``[B, Nw, d]`` on the compute device; ``update(layer, mask [B, Nw], values [B, Nw, d])``
-    re-encodes the rows where ``mask``.
+    ``member [B, N]`` bool, ``priority [B, N]`` (lower first; ties keep column order) → ``rows [B, capacity]`` long
+    (``trash`` in unused slots) and ``valid [B, capacity]`` bool. When more than ``capacity`` rows are chosen, the
+    ones with the largest priority are left out."""
+    key = priority.masked_fill(~member, torch.iinfo(torch.long).max)
+    order = key.argsort(dim=1, stable=True)[:, :capacity]
+    valid = member.gather(1, order)
+    return torch.where(valid, order, trash), valid
+
+
+class Selection(NamedTuple):
+    """The members a strategy picked at one layer.
+
+    ``rows``: ``[B, M]`` long store rows (the store's trash row where not valid); ``valid``: ``[B, M]`` bool;
+    ``q``: ``[B, H, M, hd]`` their queries after RoPE, or None (the mechanism then projects them from their inputs:
+    one more pass over the layer's q weight, counted); ``inputs``: ``[B, M, d]`` their layer inputs, or None (read
+    from the store).
     """
 
-    def __init__(self, quant, offload, n_layers: int, device: torch.device, dtype: torch.dtype):
-        self.quant, self.offload = quant, offload
-        self.device, self.dtype = device, dtype
-        self.stored: list = [None] * n_layers
-        self.anchor: list = [None] * n_layers
+    rows: torch.Tensor
+    valid: torch.Tensor
+    q: torch.Tensor | None = None
+    inputs: torch.Tensor | None = None
 
-    def put(self, layer: int, values: torch.Tensor, anchor: torch.Tensor | None) -> None:
-        if self.quant.lossless or anchor is None:
-            self.anchor[layer] = None
-            payload = values
-        else:
-            self.anchor[layer] = anchor
-            payload = values - anchor
-        self.stored[layer] = self.offload.put(self.quant.encode(payload.contiguous()))
 
-    def get(self, layer: int) -> torch.Tensor:
-        payload = self.quant.decode(self.offload.fetch(self.stored[layer], self.device)).to(self.dtype)
-        anchor = self.anchor[layer]
-        return payload if anchor is None else payload + anchor
+class Packet(NamedTuple):
+    """One layer's member outputs on their way to the next layer: ``rows``, ``valid`` ``[B, M]``, ``out [B, M, d]``."""
 
-    def update(self, layer: int, mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Overwrite rows; returns the previous values ``[B, Nw, d]`` (for centroid shifts)."""
-        old = self.get(layer)
-        new = torch.where(mask[..., None], values.to(old.dtype), old)
-        self.put(layer, new, self.anchor[layer])
-        return old
+    rows: torch.Tensor
+    valid: torch.Tensor
+    out: torch.Tensor
+
+
+class HiddenStore:
+    """The cache's per-layer input hidden states as a row store: rows are cache slots (``T`` is the trash slot).
+
+    ``read(layer, rows [B, M])`` → ``[B, M, d]``; ``write(layer, rows, valid, values [B, M, d])`` overwrites the
+    valid rows in place.
+    """
+
+    def __init__(self, cache: DecodeCache):
+        self.cache = cache
+        self.trash = cache.trash
+
+    def read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        stored = self.cache.hidden[layer]
+        return stored.gather(1, rows[..., None].expand(-1, -1, stored.shape[-1]))
+
+    def write(self, layer: int, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> None:
+        stored = self.cache.hidden[layer]
+        target = torch.where(valid, rows, self.trash)
+        stored.scatter_(1, target[..., None].expand(-1, -1, stored.shape[-1]), values.to(stored.dtype))
+
+
+class MemberStrategy:
+    """How a sparse-refresh method picks its members (see the module docstring).
+
+    ``store``: where members' layer inputs live (``read`` / ``write`` by row, see :class:`HiddenStore`);
+    ``trash``: the store's trash row; ``wants_old``: :meth:`on_write` needs the rows' previous values;
+    ``wants_head``: the last layer's members get logits (the update packet handed to the commit rule).
+    """
+
+    store: object
+    trash: int
+    wants_old = False
+    wants_head = False
+
+    def slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cache slots ``[B, M]`` of store rows ``[B, M]`` (the cache's trash slot for the trash row)."""
+        raise NotImplementedError  # pragma: no cover
+
+    def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
+                   meter) -> ExtraRows | None:
+        """The rows this layer's q/k/v pass computes besides the plan's: ``kv`` (the packet's K/V rows, or None)
+        plus any query-only rows of the strategy (``meter``: for embedding reads)."""
+        return kv
+
+    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
+        raise NotImplementedError  # pragma: no cover
+
+    def on_write(self, layer: int, packet: Packet, old: torch.Tensor | None) -> None:
+        """Called after the packet was written into the store at ``layer`` (``old``: previous values or None)."""
+
+
+class SparseUpdate(LayerHook):
+    """The per-step :class:`~polestar.stages.LayerHook` of a sparse update driven by a :class:`MemberStrategy`.
+
+    At each layer: the previous layer's packet is written into the store and its rows' K/V re-projected in the
+    layer's q/k/v pass (:meth:`extra_rows`); the strategy picks members from what the pass shows it
+    (:meth:`members`); their outputs become the next layer's packet (:meth:`after_layer`). ``evals [B]``: packet
+    rows re-projected plus valid members, per sequence. With ``strategy.wants_head`` the last layer's members are
+    exposed as ``head_rows [B, M, d]`` (with ``head_positions``, ``head_valid [B, M]``) for the LM head.
+    """
+
+    def __init__(self, strategy: MemberStrategy, model, cache: DecodeCache, batch: int, device, compilable: bool = True):
+        self.strategy, self.model, self.cache = strategy, model, cache
+        self.n_layers = model.spec.n_layers
+        self.compilable = compilable
+        self.packet_rows: Packet | None = None
+        self.current: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.evals = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
+        strategy, packet = self.strategy, self.packet_rows
+        kv = None
+        if packet is not None:
+            old = strategy.store.read(layer, packet.rows) if strategy.wants_old else None
+            strategy.store.write(layer, packet.rows, packet.valid, packet.out)
+            strategy.on_write(layer, packet, old)
+            slots = torch.where(packet.valid, strategy.slots(packet.rows), self.cache.trash)
+            kv = ExtraRows(packet.out, self.cache.positions.gather(1, slots), slots)
+            self.evals += packet.valid.sum(-1)
+        return strategy.extra_rows(layer, h, packet, kv, meter)
+
+    def members(self, layer: int, qkv: LayerQKV) -> MemberRows | None:
+        sel = self.strategy.select(layer, qkv, self.packet_rows)
+        self.packet_rows = None
+        if sel is None:
+            self.current = None
+            return None
+        inputs = sel.inputs if sel.inputs is not None else self.strategy.store.read(layer, sel.rows)
+        q = sel.q
+        if q is None:
+            positions = self.cache.positions.gather(1, self.strategy.slots(sel.rows))
+            q = self.model.project_queries(layer, inputs, positions, qkv.meter)
+        self.current = (sel.rows, sel.valid)
+        self.evals += sel.valid.sum(-1)
+        return MemberRows(q, inputs)
+
+    def after_layer(self, layer: int, out: torch.Tensor) -> None:
+        rows, valid = self.current
+        if layer < self.n_layers - 1:
+            self.packet_rows = Packet(rows, valid, out)
+        elif self.strategy.wants_head:
+            self.head_rows = out
+            self.head_positions = self.strategy.slots(rows)
+            self.head_valid = valid

@@ -73,7 +73,7 @@ def test_suffix_commit_only_at_or_above_threshold_and_after_the_block(shift):
     rule = PolestarCommit(PolestarCommit.Config(threshold=0.9))
     state = _state(batch=1, bl=8, shift=shift)
     V = 40
-    positions = torch.tensor([4, 5, 16, 17, 18, 19])  # two prefix columns, four after the block [8, 16)
+    positions = torch.tensor([[4, 5, 16, 17, 18, 19]])  # two prefix columns, four after the block [8, 16)
     logits = torch.zeros(1, 6, V)
     logits[0, :, 7] = torch.tensor([20.0, 20.0, 20.0, 1.0, 20.0, 20.0])  # column 17 is unconfident
     valid = torch.tensor([[True, True, True, True, True, False]])
