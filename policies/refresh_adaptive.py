@@ -248,8 +248,11 @@ class _ValueChangeMembers(_CandidateStrategy):
         hkv = v_new.shape[1]
         v_old = self.cache.v[layer].gather(2, self.cand[:, None, :, None].expand(-1, hkv, -1, v_new.shape[-1]))
         sim = F.cosine_similarity(v_new.float(), v_old.float(), dim=-1).mean(dim=1)  # [B, N]
-        sim = sim.masked_fill(~self.cand_valid, float("inf"))
-        pick = sim.topk(self.n_pick, dim=1, largest=False).indices  # [B, n_pick]
+        # unchanged candidates sit at 1 - rounding noise, and that noise depends on the matmul's shape (the batch
+        # size, the rows riding along): rounded to 2^-16 they tie, and ties go to the earlier column, so a row
+        # picks the same members alone and in a batch
+        sim = torch.round(sim * 65536.0).masked_fill(~self.cand_valid, float("inf"))
+        pick = sim.argsort(dim=1, stable=True)[:, : self.n_pick]  # [B, n_pick]
         valid = self.cand_valid.gather(1, pick)
         rows = torch.where(valid, self.cand.gather(1, pick), self.trash)
         H, hd = qkv.q.shape[1], qkv.q.shape[3]
