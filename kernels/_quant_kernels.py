@@ -77,8 +77,12 @@ def bf16_rne_bits(v):
 
 
 @triton.jit
-def nvfp4_quant_kernel(x_ptr, gs_ptr, packed_ptr, scale_ptr, NB, BLOCK_B: tl.constexpr):
-    """x [NB*16] -> packed [NB*8] uint8, scale [NB] e4m3 bytes, with global scale gs_ptr[0]."""
+def nvfp4_quant_kernel(x_ptr, gs_ptr, packed_ptr, scale_ptr, NB, BPR, BLOCK_B: tl.constexpr):
+    """x [NB*16] -> packed [NB*8] uint8, scale [NB] e4m3 bytes.
+
+    Block ``b`` uses the global scale ``gs_ptr[b // BPR]``: ``BPR`` = blocks per row for per-row
+    scales (``gs [NB // BPR]``), ``BPR >= NB`` for one per-tensor scale (``gs [1]``).
+    """
     blk = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = blk < NB
     i = tl.arange(0, 8)
@@ -86,10 +90,10 @@ def nvfp4_quant_kernel(x_ptr, gs_ptr, packed_ptr, scale_ptr, NB, BLOCK_B: tl.con
     even = blk[:, None] * 16 + 2 * i[None, :]
     xe = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gs_ptr)
+    g = tl.load(gs_ptr + blk // BPR, mask=mask_b, other=1.0)
     amax = tl.maximum(reduce_max(tl.abs(xe), axis=1), reduce_max(tl.abs(xo), axis=1))
     six = tl.full([BLOCK_B], FP4_MAX, dtype=tl.float32)
-    s = tl.math.div_rn(tl.math.div_rn(amax, six), tl.full([BLOCK_B], 0.0, dtype=tl.float32) + g)
+    s = tl.math.div_rn(tl.math.div_rn(amax, six), g)
     s = tl.minimum(tl.maximum(s, E4M3_MIN_NORMAL), E4M3_MAX)
     byte, s_q = e4m3_round(s)
     total = tl.broadcast_to((g * s_q)[:, None], (BLOCK_B, 8))
@@ -101,16 +105,19 @@ def nvfp4_quant_kernel(x_ptr, gs_ptr, packed_ptr, scale_ptr, NB, BLOCK_B: tl.con
 
 @triton.jit
 def nvfp4_dequant_kernel(
-    packed_ptr, scale_ptr, gs_ptr, out_ptr, NB, BF16_BITS: tl.constexpr, BLOCK_B: tl.constexpr
+    packed_ptr, scale_ptr, gs_ptr, out_ptr, NB, BPR, BF16_BITS: tl.constexpr, BLOCK_B: tl.constexpr
 ):
-    """packed [NB*8], scale [NB] e4m3 bytes -> out [NB*16] = fp4 * (global * block scale)."""
+    """packed [NB*8], scale [NB] e4m3 bytes -> out [NB*16] = fp4 * (gs[b // BPR] * block scale).
+
+    ``BPR`` as in :func:`nvfp4_quant_kernel` (blocks per row, or ``>= NB`` for a per-tensor scale).
+    """
     blk = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = blk < NB
     i = tl.arange(0, 8)
     mask = mask_b[:, None]
     p = tl.load(packed_ptr + blk[:, None] * 8 + i[None, :], mask=mask, other=0)
     sb = tl.load(scale_ptr + blk, mask=mask_b, other=0)
-    g = tl.load(gs_ptr)
+    g = tl.load(gs_ptr + blk // BPR, mask=mask_b, other=1.0)
     total = (g * e4m3_decode(sb))[:, None]
     ve = fp4_values(p & 15) * total
     vo = fp4_values(p >> 4) * total

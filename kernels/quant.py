@@ -4,7 +4,11 @@ Polestar (Lee et al., 2026, ``shared/PAPER.md``) stores each cluster member as i
 ``member - centroid`` quantized to NVFP4 to keep the cache small.  NVFP4 (NVIDIA Blackwell
 format; conventions as in torchao ``prototype/mx_formats/nvfp4_tensor.py``) is two-level:
 
-* per-tensor fp32 global scale ``g = amax(|x|) / (448 * 6)`` (``g = 1`` for an all-zero tensor);
+* fp32 global scale ``g = amax(|x|) / (448 * 6)`` (``g = 1`` for an all-zero tensor), either one per
+  tensor (``global_scale []``, the default) or, with ``per_row=True``, one per row ``x[..., i, :]``
+  (``global_scale [..., 1]``, amax over the last dim; ``g = 1`` for an all-zero row).  Per-row
+  scales make every row's encoding depend on that row only, so encoded rows can be gathered and
+  scattered on their own (the row store of the sparse refresh relies on this);
 * per 16-element block scale ``s = clamp(amax(block) / 6 / g, 2**-6, 448)`` rounded (RNE) to
   ``float8_e4m3fn`` (the lower clamp is torchao's ``E4M3_EPS``: scales are always e4m3 normals);
 * elements ``x / (g * s)`` rounded to the FP4 e2m1 grid ``{0, .5, 1, 1.5, 2, 3, 4, 6}`` with sign,
@@ -17,7 +21,8 @@ to ``Dp = 16 * ceil(D / 16)`` (the padding is stored: ``packed`` is ``[..., Dp /
 cropped on dequantization.  Inputs must be finite fp32 / fp16 / bf16.
 
 The Triton kernels (:func:`nvfp4_quantize_triton`, :func:`nvfp4_dequantize_triton`) produce
-bit-identical codes, scales and (fp32 / bf16 / fp16) outputs to the references.  The
+bit-identical codes, scales and (fp32 / bf16 / fp16) outputs to the references, in both scale modes
+(the dequantizers read the mode from ``global_scale``: ``[]`` per tensor, ``[..., 1]`` per row).  The
 dispatchers :func:`nvfp4_quantize` / :func:`nvfp4_dequantize` pick one with ``backend``.
 :data:`QUANTIZERS` maps ``"nvfp4" | "fp8" | "none"`` to (quantize, dequantize) pairs.
 """
@@ -59,6 +64,7 @@ __all__ = [
     "nvfp4_global_scale",
     "nvfp4_quantize",
     "nvfp4_quantize_triton",
+    "nvfp4_row_scale",
     "pack_fp4",
     "reference_nvfp4_dequantize",
     "reference_nvfp4_quantize",
@@ -92,7 +98,7 @@ class NVFP4Tensor(NamedTuple):
     Attributes:
         packed: ``[..., Dp // 2]`` uint8, two e2m1 codes per byte (even element in the low nibble).
         block_scale: ``[..., Dp // 16]`` float8_e4m3fn per-block scales.
-        global_scale: ``[]`` fp32 per-tensor scale.
+        global_scale: ``[]`` fp32 per-tensor scale, or ``[..., 1]`` fp32 per-row scales (``per_row=True``).
         shape: original shape ``[..., D]`` (``Dp`` = ``D`` rounded up to a multiple of 16).
         dtype: original dtype (dequantization returns it).
     """
@@ -183,6 +189,21 @@ def nvfp4_global_scale(x: Tensor) -> Tensor:
     return torch.where(g > 0, g, torch.ones_like(g))
 
 
+def nvfp4_row_scale(x: Tensor) -> Tensor:
+    """NVFP4 per-row scale ``amax(|x[..., i, :]|) / (448 * 6)``: ``x [..., D]`` -> ``[..., 1]`` fp32 (1 where 0).
+
+    The per-tensor rule of :func:`nvfp4_global_scale` applied to each row on its own.  No host sync.
+    """
+    if x.shape[-1] == 0:
+        return torch.ones((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    g = x.detach().abs().amax(-1, keepdim=True).float() / (FP8_E4M3_MAX * FP4_E2M1_MAX)
+    return torch.where(g > 0, g, torch.ones_like(g))
+
+
+def _scale_of(x: Tensor, per_row: bool) -> Tensor:
+    return nvfp4_row_scale(x) if per_row else nvfp4_global_scale(x)
+
+
 def _check_quant_input(x: Tensor) -> None:
     if x.dim() == 0:
         raise ValueError("NVFP4 quantization needs at least one dimension")
@@ -190,7 +211,7 @@ def _check_quant_input(x: Tensor) -> None:
         raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
 
 
-def reference_nvfp4_quantize(x: Tensor) -> NVFP4Tensor:
+def reference_nvfp4_quantize(x: Tensor, per_row: bool = False) -> NVFP4Tensor:
     """Quantize to NVFP4 (torch reference): two-level scaling, e4m3 block scales, packed e2m1 codes.
 
     Method: NVIDIA NVFP4 as in torchao (see the module docstring for every rounding rule);
@@ -198,13 +219,15 @@ def reference_nvfp4_quantize(x: Tensor) -> NVFP4Tensor:
 
     Args:
         x: ``[..., D]`` finite fp32 / fp16 / bf16.
+        per_row: one global scale per row (``[..., 1]``) instead of one per tensor (``[]``).
 
     Returns:
         :class:`NVFP4Tensor` with ``packed [..., Dp // 2]`` uint8, ``block_scale [..., Dp // 16]``
-        float8_e4m3fn, ``global_scale []`` fp32, ``shape = x.shape``, ``dtype = x.dtype``.
+        float8_e4m3fn, ``global_scale`` fp32 ``[]`` (or ``[..., 1]`` when ``per_row``),
+        ``shape = x.shape``, ``dtype = x.dtype``.
     """
     _check_quant_input(x)
-    g = nvfp4_global_scale(x)
+    g = _scale_of(x, per_row)
     xp = _pad_last(x.float())
     blocks = xp.unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., Dp/16, 16]
     amax = blocks.abs().amax(-1)
@@ -218,7 +241,8 @@ def reference_nvfp4_dequantize(t: NVFP4Tensor) -> Tensor:
     """Dequantize an :class:`NVFP4Tensor` (torch reference): ``grid[code] * (g * s)``.
 
     Args:
-        t: NVFP4Tensor with ``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``.
+        t: NVFP4Tensor with ``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``,
+            ``global_scale []`` or ``[..., 1]`` (broadcast over the blocks of a row).
 
     Returns:
         ``t.shape`` (= ``[..., D]``) tensor of ``t.dtype``.
@@ -236,19 +260,27 @@ def _grid(num_blocks: int) -> tuple[int]:
     return (-(-num_blocks // min(_BLOCK_B, next_pow2(num_blocks))),)
 
 
-def _nvfp4_quantize_fake(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _nvfp4_quantize_fake(x: Tensor, per_row: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     lead, dp = x.shape[:-1], _padded_dim(x.shape[-1])
     return (
         x.new_empty((*lead, dp // 2), dtype=torch.uint8),
         x.new_empty((*lead, dp // NVFP4_BLOCK_SIZE), dtype=torch.float8_e4m3fn),
-        x.new_empty((), dtype=torch.float32),
+        x.new_empty((*lead, 1) if per_row else (), dtype=torch.float32),
     )
 
 
+def _blocks_per_scale(global_scale: Tensor, num_blocks: int, dp: int) -> int:
+    """Kernel argument ``BPR``: blocks per row for per-row scales (``[..., 1]``), else ``>= num_blocks``."""
+    return dp // NVFP4_BLOCK_SIZE if global_scale.dim() > 0 else max(num_blocks, 1)
+
+
 @register_op("nvfp4_quantize", fake=_nvfp4_quantize_fake)
-def _nvfp4_quantize_op(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``polestar::nvfp4_quantize``: ``x [..., D]`` -> ``(packed, block_scale, global_scale)``."""
-    g = nvfp4_global_scale(x)
+def _nvfp4_quantize_op(x: Tensor, per_row: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """``polestar::nvfp4_quantize``: ``x [..., D]`` -> ``(packed, block_scale, global_scale)``.
+
+    ``global_scale`` is ``[]`` (per tensor) or ``[..., 1]`` (``per_row``).
+    """
+    g = _scale_of(x, per_row)
     xp = _pad_last(x)
     dp = xp.shape[-1]
     num_blocks = xp.numel() // NVFP4_BLOCK_SIZE
@@ -257,26 +289,34 @@ def _nvfp4_quantize_op(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if num_blocks > 0:
         block_b = min(_BLOCK_B, next_pow2(num_blocks))
         _quant_kernels.nvfp4_quant_kernel[_grid(num_blocks)](
-            xp, g.reshape(1), packed, scale.view(torch.uint8), num_blocks, BLOCK_B=block_b
+            xp,
+            g.contiguous().reshape(-1),
+            packed,
+            scale.view(torch.uint8),
+            num_blocks,
+            _blocks_per_scale(g, num_blocks, dp),
+            BLOCK_B=block_b,
         )
     return packed, scale, g
 
 
-def nvfp4_quantize_triton(x: Tensor) -> NVFP4Tensor:
+def nvfp4_quantize_triton(x: Tensor, per_row: bool = False) -> NVFP4Tensor:
     """Triton version of :func:`reference_nvfp4_quantize`; codes and scales are bit-identical.
 
-    Runs as the opaque op ``torch.ops.polestar.nvfp4_quantize`` (which returns the three
-    tensors; the :class:`NVFP4Tensor` is built here).
+    Runs as the opaque op ``torch.ops.polestar.nvfp4_quantize(x, per_row)`` (which returns the
+    three tensors; the :class:`NVFP4Tensor` is built here).
 
     Args:
         x: ``[..., D]`` finite fp32 / fp16 / bf16 (zero-padded to a multiple of 16).
+        per_row: one global scale per row (``[..., 1]``) instead of one per tensor (``[]``).
 
     Returns:
-        :class:`NVFP4Tensor` (``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``, ...).
+        :class:`NVFP4Tensor` (``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``,
+        ``global_scale []`` or ``[..., 1]``, ...).
     """
     require_triton()
     _check_quant_input(x)
-    packed, scale, g = torch.ops.polestar.nvfp4_quantize(x)
+    packed, scale, g = torch.ops.polestar.nvfp4_quantize(x, per_row)
     return NVFP4Tensor(packed, scale, g, x.shape, x.dtype)
 
 
@@ -293,6 +333,8 @@ def _nvfp4_dequantize_op(
 ) -> Tensor:
     """``polestar::nvfp4_dequantize``: ``packed [..., Dp // 2]`` ... -> ``[..., d]`` of ``dtype``.
 
+    ``global_scale`` is ``[]`` (one per tensor) or ``[..., 1]`` (one per row).
+
     ``scale_bits`` is the e4m3 block scale viewed as uint8 (float8 inputs break the CPU schema
     check of ``torch.library.opcheck``, which compares inputs with ``allclose``).
     """
@@ -306,9 +348,10 @@ def _nvfp4_dequantize_op(
         _quant_kernels.nvfp4_dequant_kernel[_grid(num_blocks)](
             packed,
             scale,
-            global_scale.float().reshape(1),
+            global_scale.float().contiguous().reshape(-1),
             out.view(torch.int16) if is_bf16 else out,
             num_blocks,
+            _blocks_per_scale(global_scale, num_blocks, packed.shape[-1] * 2),
             BF16_BITS=is_bf16,
             BLOCK_B=block_b,
         )
@@ -322,7 +365,8 @@ def nvfp4_dequantize_triton(t: NVFP4Tensor) -> Tensor:
     uint8, global_scale, D, dtype)``.
 
     Args:
-        t: NVFP4Tensor with ``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``.
+        t: NVFP4Tensor with ``packed [..., Dp // 2]``, ``block_scale [..., Dp // 16]``,
+            ``global_scale []`` or ``[..., 1]``.
 
     Returns:
         ``t.shape`` tensor of ``t.dtype`` (a view cropping the padding when ``D % 16 != 0``).
@@ -336,13 +380,14 @@ _NVFP4_Q = {"reference": reference_nvfp4_quantize, "triton": nvfp4_quantize_trit
 _NVFP4_DQ = {"reference": reference_nvfp4_dequantize, "triton": nvfp4_dequantize_triton}
 
 
-def nvfp4_quantize(x: Tensor, backend: str = "auto") -> NVFP4Tensor:
+def nvfp4_quantize(x: Tensor, backend: str = "auto", per_row: bool = False) -> NVFP4Tensor:
     """NVFP4-quantize ``x [..., D]`` -> :class:`NVFP4Tensor` (``packed [..., Dp // 2]`` ...).
 
     ``backend``: ``"auto"`` (Triton on CUDA when available), ``"triton"`` or ``"reference"``.
+    ``per_row``: global scale ``[..., 1]`` per row instead of ``[]`` per tensor.
     See :func:`reference_nvfp4_quantize`.
     """
-    return pick(_NVFP4_Q, backend, x)(x)
+    return pick(_NVFP4_Q, backend, x)(x, per_row)
 
 
 def nvfp4_dequantize(t: NVFP4Tensor, backend: str = "auto") -> Tensor:

@@ -1,6 +1,16 @@
 """Offloaders (kind ``offload``): where stored window members live and how they are fetched back.
 
-``put(tree)`` stores a (possibly quantized) tensor tree, ``fetch(stored, device)`` brings it back for compute.
+Two interfaces:
+
+* whole trees (the first member store): ``put(tree)`` stores a (possibly quantized) tensor tree, ``fetch(stored,
+  device)`` brings it back for compute;
+* rows (:class:`~polestar.policies.row_store.RowStore`): ``alloc(like)`` allocates, once, storage for a tuple of
+  leaves ``[B, N, ...]`` (initialized to ``like``'s values); ``read_rows(stored, rows [B, M], device)`` → leaves
+  ``[B, M, ...]`` on ``device``; ``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place.
+  Rows are long indices along dim 1; a read or write never syncs the host with the device.
+
+``compilable``: whether ``read_rows`` / ``write_rows`` can be traced by ``torch.compile(fullgraph=True)`` (the
+stepping code runs eagerly when False).
 """
 
 from __future__ import annotations
@@ -22,17 +32,52 @@ def _map(fn, tree):
     return tree
 
 
+def _row_index(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``rows [B, M]`` → index ``[B, M, *like.shape[2:]]`` for ``gather`` / ``scatter_`` along dim 1."""
+    b, m = rows.shape
+    return rows.view(b, m, *([1] * (like.dim() - 2))).expand(b, m, *like.shape[2:])
+
+
+def gather_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``buf [B, N, ...]``, ``rows [B, M]`` long in ``[0, N)`` → ``buf[b, rows[b, m]]`` as ``[B, M, ...]``."""
+    return buf.gather(1, _row_index(rows.to(buf.device), buf))
+
+
+def scatter_rows_(buf: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """In place ``buf[b, rows[b, m]] = src[b, m]`` (``buf [B, N, ...]``, ``rows [B, M]``, ``src [B, M, ...]``).
+
+    Rows repeated within a sequence get one of their sources (unspecified which): only a trash row may repeat.
+    """
+    buf.scatter_(1, _row_index(rows.to(buf.device), src), src.to(buf.device))
+
+
 class Offloader(Stage):
+    """Where stored rows live (see the module docstring for both interfaces and every shape)."""
+
+    compilable: bool = True
+
     def put(self, tree):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def fetch(self, stored, device):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def alloc(self, like: tuple[torch.Tensor, ...]):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def read_rows(self, stored, rows: torch.Tensor, device) -> tuple[torch.Tensor, ...]:  # pragma: no cover
+        raise NotImplementedError
+
+    def write_rows(self, stored, rows: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
 
 @register("offload", "none")
 class NoOffload(Offloader):
-    """Members stay on the compute device."""
+    """Members stay on the compute device: ``alloc`` clones the leaves ``[B, N, ...]`` there, rows are gathered and
+    scattered in place. Traceable by ``torch.compile``."""
+
+    compilable = True
 
     @attrs.frozen
     class Config:
@@ -44,12 +89,76 @@ class NoOffload(Offloader):
     def fetch(self, stored, device):
         return stored
 
+    def alloc(self, like):
+        return tuple(t.clone() for t in like)
+
+    def read_rows(self, stored, rows, device):
+        return tuple(gather_rows(t, rows) for t in stored)
+
+    def write_rows(self, stored, rows, leaves):
+        for buf, src in zip(stored, leaves):
+            scatter_rows_(buf, rows, src)
+
+
+class _Staged:
+    """Host staging of one pending row write: ``rows [B, M]`` long and ``leaves [B, M, ...]`` (pinned with CUDA)."""
+
+    __slots__ = ("leaves", "rows")
+
+    def __init__(self, rows: torch.Tensor, leaves: tuple[torch.Tensor, ...], pin: bool):
+        self.rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
+        self.leaves = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in leaves)
+
+
+class HostRows:
+    """The host side of one stored tree (the ``stored`` object of :class:`CPUOffload`; per-store state).
+
+    ``host``: the leaves ``[B, N, ...]`` in host memory, pinned when CUDA is available, allocated once.
+    ``staging``: per write width ``M``, pinned buffers a device→host row write lands in (allocated on first use).
+    ``pending``: the staged write not yet applied to ``host``; ``event``: a CUDA event (created once, None on a
+    CPU-only machine) recorded after the pending write's device→host copies; ``recorded``: whether it was.
+    """
+
+    __slots__ = ("event", "host", "pending", "pin", "recorded", "staging")
+
+    def __init__(self, host: tuple[torch.Tensor, ...], pin: bool):
+        self.host, self.pin = host, pin
+        self.staging: dict[tuple, _Staged] = {}
+        self.pending: _Staged | None = None
+        self.event = torch.cuda.Event() if pin else None
+        self.recorded = False
+
+    def flush(self) -> None:
+        """Apply the pending write to ``host``: wait for its copies (the only host wait), then scatter the rows.
+
+        The event was recorded after the write's device→host copies, which the stream ordered after every earlier
+        host→device read of ``host``, so those reads are done too before ``host`` changes.
+        """
+        staged, self.pending = self.pending, None
+        if staged is None:
+            return
+        if self.recorded:
+            self.event.synchronize()
+            self.recorded = False
+        for buf, src in zip(self.host, staged.leaves):
+            scatter_rows_(buf, staged.rows, src)
+
 
 @register("offload", "cpu")
 class CPUOffload(Offloader):
-    """Members kept in CPU memory (pinned when CUDA is present) and copied back asynchronously
-    (``non_blocking``) when a sparse update needs them (Polestar's system design). On a CPU-only machine the
-    copies are no-ops and tokens are identical to ``none``."""
+    """Members kept in CPU memory (pinned when CUDA is present), copied with ``non_blocking=True`` (Polestar's system
+    design: the window's stored inputs live off the device).
+
+    Rows: ``alloc(like)`` allocates the host leaves ``[B, N, ...]`` once (a :class:`HostRows`). ``write_rows`` copies
+    the rows ``[B, M]`` and leaves ``[B, M, ...]`` into preallocated pinned staging buffers without blocking, records a
+    CUDA event and returns; the host-side scatter is applied lazily, right before the next read or write of the same
+    storage, waiting on the event only then. ``read_rows`` copies the host leaves to the device (``non_blocking``)
+    and gathers the rows there: the rows are chosen on the device, and reading them on the host would sync. On a
+    CPU-only machine the same path runs (CPU→CPU copies) and values equal ``none``'s. Not traceable by
+    ``torch.compile`` (``compilable = False``).
+    """
+
+    compilable = False
 
     @attrs.frozen
     class Config:
@@ -68,3 +177,26 @@ class CPUOffload(Offloader):
 
     def fetch(self, stored, device):
         return _map(lambda t: t.to(device, non_blocking=True), stored)
+
+    def alloc(self, like):
+        pin = torch.cuda.is_available()
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in like)
+        return HostRows(host, pin)
+
+    def read_rows(self, stored: HostRows, rows, device):
+        stored.flush()
+        return tuple(gather_rows(h.to(device, non_blocking=True), rows) for h in stored.host)
+
+    def write_rows(self, stored: HostRows, rows, leaves):
+        stored.flush()  # the staging buffers may still hold the previous write
+        key = tuple(rows.shape)
+        staged = stored.staging.get(key)
+        if staged is None:
+            staged = stored.staging[key] = _Staged(rows, leaves, stored.pin)
+        staged.rows.copy_(rows, non_blocking=True)
+        for dst, src in zip(staged.leaves, leaves):
+            dst.copy_(src, non_blocking=True)
+        if rows.is_cuda and stored.event is not None:
+            stored.event.record()
+            stored.recorded = True
+        stored.pending = staged

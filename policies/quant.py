@@ -2,18 +2,40 @@
 
 ``encode(x [..., D]) → packed``, ``decode(packed) → [..., D]``. ``lossless`` quantizers store the values themselves
 (exact); lossy ones store the residual member − centroid, as the paper describes for NVFP4.
+
+Every quantizer is **row-wise**: row ``x[..., i, :]`` is encoded from that row alone (no scale shared across rows),
+so a store can gather and scatter rows in encoded form. ``to_leaves(packed)`` gives the encoded form as a tuple of
+plain tensors, each ``[..., k]`` with the input's leading dims (float8 payloads viewed as uint8, so the leaves can be
+indexed and compared byte for byte on any device); ``from_leaves(leaves, dim, dtype)`` rebuilds the form ``decode``
+takes, for leaves gathered at any leading shape.
 """
 
 from __future__ import annotations
 
 import attrs
+import torch
 
-from polestar.kernels.quant import fp8_dequantize, fp8_quantize, nvfp4_dequantize, nvfp4_quantize
+from polestar.kernels.quant import (
+    FP8Tensor,
+    NVFP4Tensor,
+    fp8_dequantize,
+    fp8_quantize,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+)
 from polestar.registry import register
 from polestar.stages import Stage
 
 
 class Quantizer(Stage):
+    """A row-wise quantizer (see the module docstring).
+
+    ``encode(x [..., D])`` → encoded form; ``decode(encoded)`` → ``[..., D]`` in the input dtype;
+    ``to_leaves(encoded)`` → ``tuple`` of tensors ``[..., k_j]`` (the input's leading dims, row ``i`` of each leaf
+    depends only on ``x[..., i, :]``); ``from_leaves(leaves, dim, dtype)`` → the encoded form of those rows
+    (``dim`` = ``D``, ``dtype`` = the dtype ``decode`` returns).
+    """
+
     lossless: bool = False
 
     def encode(self, x):  # pragma: no cover - abstract
@@ -22,10 +44,16 @@ class Quantizer(Stage):
     def decode(self, packed):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def to_leaves(self, packed) -> tuple[torch.Tensor, ...]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def from_leaves(self, leaves, dim: int, dtype: torch.dtype):  # pragma: no cover - abstract
+        raise NotImplementedError
+
 
 @register("quant", "none")
 class NoQuant(Quantizer):
-    """Identity: values kept in the model dtype."""
+    """Identity: values kept in the model dtype. Leaves: ``(x [..., D],)``."""
 
     lossless = True
 
@@ -39,26 +67,50 @@ class NoQuant(Quantizer):
     def decode(self, packed):
         return packed
 
+    def to_leaves(self, packed):
+        return (packed,)
+
+    def from_leaves(self, leaves, dim, dtype):
+        return leaves[0]
+
 
 @register("quant", "nvfp4")
 class NVFP4Quant(Quantizer):
-    """NVFP4: FP4 e2m1 values, one FP8 e4m3 scale per 16 values, one fp32 scale per tensor, 2 values per byte
-    (NVIDIA Blackwell format; torchao ``NVFP4Tensor``). ``[..., D]`` → packed ``[..., D/2]`` uint8 + scales."""
+    """NVFP4 (NVIDIA Blackwell format; torchao ``NVFP4Tensor`` conventions): FP4 e2m1 values, one FP8 e4m3 scale per
+    16 values, and one fp32 global scale per row ``amax(|row|) / (448 · 6)`` (the format's per-tensor scale taken
+    per row, so rows encode independently); 2 values per byte, rows zero-padded to ``Dp = 16 · ⌈D / 16⌉``.
+
+    ``[..., D]`` → :class:`~polestar.kernels.quant.NVFP4Tensor` with ``packed [..., Dp/2]`` uint8,
+    ``block_scale [..., Dp/16]`` float8_e4m3fn, ``global_scale [..., 1]`` fp32. Leaves: ``(packed [..., Dp/2]
+    uint8, block_scale bits [..., Dp/16] uint8, global_scale [..., 1] fp32)``.
+    """
 
     @attrs.frozen
     class Config:
         pass
 
     def encode(self, x):
-        return nvfp4_quantize(x)
+        return nvfp4_quantize(x, per_row=True)
 
     def decode(self, packed):
         return nvfp4_dequantize(packed)
 
+    def to_leaves(self, packed):
+        return packed.packed, packed.block_scale.view(torch.uint8), packed.global_scale
+
+    def from_leaves(self, leaves, dim, dtype):
+        codes, scale_bits, global_scale = leaves
+        shape = torch.Size((*codes.shape[:-1], dim))
+        return NVFP4Tensor(codes, scale_bits.view(torch.float8_e4m3fn), global_scale, shape, dtype)
+
 
 @register("quant", "fp8")
 class FP8Quant(Quantizer):
-    """FP8 e4m3 with one scale per row. ``[..., D]`` → e4m3 ``[..., D]`` + scale ``[..., 1]``."""
+    """FP8 e4m3 with one fp32 scale per row ``amax(|row|) / 448`` (standard per-token scaling).
+
+    ``[..., D]`` → :class:`~polestar.kernels.quant.FP8Tensor` with ``data [..., D]`` float8_e4m3fn and
+    ``scale [..., 1]`` fp32. Leaves: ``(data bits [..., D] uint8, scale [..., 1] fp32)``.
+    """
 
     @attrs.frozen
     class Config:
@@ -69,3 +121,10 @@ class FP8Quant(Quantizer):
 
     def decode(self, packed):
         return fp8_dequantize(packed)
+
+    def to_leaves(self, packed):
+        return packed.data.view(torch.uint8), packed.scale
+
+    def from_leaves(self, leaves, dim, dtype):
+        data_bits, scale = leaves
+        return FP8Tensor(data_bits.view(torch.float8_e4m3fn), scale, dtype)

@@ -8,8 +8,8 @@ file (a quant format must add its error bound to ``QUANT_BOUNDS``; an unknown fo
 * quant: ``decode(encode(x))`` keeps the shape and dtype and its error is within the format's bound:
 
   - ``none``: exact;
-  - ``nvfp4``: per 16-value block, ``|x − x̂| ≤ max(amax_block · (1 + 2⁻⁴) / 6, g · 2⁻⁶)`` with the per-tensor
-    scale ``g = amax(|x|) / (448 · 6)``: the FP4 e2m1 grid's widest gap is 2 (between 4 and 6), so rounding costs
+  - ``nvfp4``: per 16-value block, ``|x − x̂| ≤ max(amax_block · (1 + 2⁻⁴) / 6, g · 2⁻⁶)`` with the stage's per-row
+    scale ``g = amax(|row|) / (448 · 6)``: the FP4 e2m1 grid's widest gap is 2 (between 4 and 6), so rounding costs
     at most one block scale ``g · s``, and ``s`` is ``amax_block / 6 / g`` rounded to e4m3 (relative error
     ≤ 2⁻⁴) or clamped up to e4m3's smallest normal 2⁻⁶;
   - ``fp8``: per element, ``|x − x̂| ≤ max(|x| · 2⁻⁴, scale · 2⁻¹⁰)`` with the per-row ``scale = amax_row / 448``:
@@ -31,7 +31,7 @@ def _nvfp4_bound(x: torch.Tensor) -> torch.Tensor:
     pad = (-d) % 16
     xp = torch.nn.functional.pad(x.abs().float(), (0, pad))
     amax_block = xp.unflatten(-1, (-1, 16)).amax(-1, keepdim=True)
-    g = x.abs().max().float() / (448 * 6)
+    g = x.abs().float().amax(-1, keepdim=True).unsqueeze(-1) / (448 * 6)  # per row: [..., 1, 1]
     g = torch.where(g > 0, g, torch.ones_like(g))
     per_block = torch.maximum(amax_block * (1 + 2**-4) / 6, g * 2**-6)
     return per_block.expand(*per_block.shape[:-1], 16).flatten(-2)[..., :d]

@@ -338,3 +338,79 @@ def test_triton_zeros_large_and_dispatch(kdev, dtype):
     assert_same_nvfp4(out, ref)
     assert torch.equal(qt.nvfp4_dequantize(out, backend="triton").cpu(), qt.reference_nvfp4_dequantize(ref))
     assert qt.nvfp4_quantize_triton(torch.zeros(0, 16, device=kdev)).packed.shape == (0, 8)
+
+
+# ----------------------------------------------------------------------------- per-row global scales
+
+
+def naive_nvfp4_rows(x: torch.Tensor) -> tuple[list[int], list[int], list[float]]:
+    """Per-row NVFP4: the per-tensor restatement applied to each row ``x[..., i, :]`` on its own."""
+    codes, scales, gs = [], [], []
+    for row in x.reshape(-1, x.shape[-1]):
+        c, s, g = naive_nvfp4(row[None])
+        codes += c
+        scales += s
+        gs.append(g)
+    return codes, scales, gs
+
+
+def with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    x.view(-1, x.shape[-1])[0] = 0
+    return x
+
+
+@FAST
+@given(tensors())
+def test_per_row_reference_matches_naive(x):
+    x = with_zero_row(x)
+    t = qt.reference_nvfp4_quantize(x, per_row=True)
+    codes, scales, gs = naive_nvfp4_rows(x)
+    assert t.global_scale.shape == (*x.shape[:-1], 1) and t.global_scale.dtype == torch.float32
+    assert t.global_scale.flatten().tolist() == gs
+    assert qt.unpack_fp4(t.packed).flatten().tolist() == codes
+    assert scale_bytes(t).flatten().tolist() == scales
+    rows = x.reshape(-1, x.shape[-1])
+    expected = torch.stack([qt.reference_nvfp4_dequantize(qt.reference_nvfp4_quantize(r[None]))[0] for r in rows])
+    assert torch.equal(qt.reference_nvfp4_dequantize(t), expected.reshape(x.shape))
+
+
+@needs_triton
+@FAST
+@given(tensors(max_d=80))
+def test_triton_per_row_bit_exact(kdev, x):
+    x = with_zero_row(x)
+    ref = qt.reference_nvfp4_quantize(x, per_row=True)
+    out = qt.nvfp4_quantize(x.to(kdev), backend="triton", per_row=True)
+    assert_same_nvfp4(out, ref)
+    dq = qt.nvfp4_dequantize(out, backend="triton")
+    assert dq.dtype == x.dtype and dq.shape == x.shape
+    assert torch.equal(dq.cpu(), qt.reference_nvfp4_dequantize(ref))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_per_row_fixed_cases(kdev, dtype):
+    """A row dim that is not a multiple of 16, an all-zero row, rows of very different magnitudes, several programs."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 70, 37, generator=gen) * torch.logspace(-6, 3, 70)[:, None]
+    x[0, 5] = 0
+    x = x.to(dtype)
+    ref = qt.reference_nvfp4_quantize(x, per_row=True)
+    assert ref.global_scale[0, 5].item() == 1.0 and (ref.packed[0, 5] == 0).all()
+    out = qt.nvfp4_quantize_triton(x.to(kdev), per_row=True)
+    assert_same_nvfp4(out, ref)
+    assert torch.equal(qt.nvfp4_dequantize_triton(out).cpu(), qt.reference_nvfp4_dequantize(ref))
+    one = qt.reference_nvfp4_quantize(x[1, 9], per_row=True)  # a single row: [1] scale, same bytes
+    assert torch.equal(one.packed, ref.packed[1, 9]) and torch.equal(one.global_scale, ref.global_scale[1, 9])
+    assert_same_nvfp4(qt.nvfp4_quantize_triton(x[1, 9].to(kdev), per_row=True), one)
+
+
+@needs_triton
+def test_per_row_opcheck(kdev):
+    x = torch.randn(3, 4, 20, generator=torch.Generator().manual_seed(5), device=kdev)
+    torch.library.opcheck(torch.ops.polestar.nvfp4_quantize.default, (x, True))
+    nv = qt.reference_nvfp4_quantize(x.cpu(), per_row=True)
+    args = (nv.packed, nv.block_scale.view(torch.uint8), nv.global_scale, 20, torch.bfloat16)
+    torch.library.opcheck(torch.ops.polestar.nvfp4_dequantize.default, tuple(a.to(kdev) if torch.is_tensor(a) else a
+                                                                           for a in args))
