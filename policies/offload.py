@@ -1,13 +1,9 @@
 """Offloaders (kind ``offload``): where stored window members live and how they are fetched back.
 
-Two interfaces:
-
-* whole trees (the first member store): ``put(tree)`` stores a (possibly quantized) tensor tree, ``fetch(stored,
-  device)`` brings it back for compute;
-* rows (:class:`~polestar.policies.row_store.RowStore`): ``alloc(like)`` allocates, once, storage for a tuple of
-  leaves ``[B, N, ...]`` (initialized to ``like``'s values); ``read_rows(stored, rows [B, M], device)`` → leaves
-  ``[B, M, ...]`` on ``device``; ``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place.
-  Rows are long indices along dim 1; a read or write never syncs the host with the device.
+The interface is by rows (:class:`~polestar.policies.row_store.RowStore`): ``alloc(like)`` allocates, once,
+storage for a tuple of leaves ``[B, N, ...]`` (initialized to ``like``'s values); ``read_rows(stored, rows [B, M], device)`` → leaves
+``[B, M, ...]`` on ``device``; ``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place.
+Rows are long indices along dim 1; a read or write never syncs the host with the device.
 
 ``compilable``: whether ``read_rows`` / ``write_rows`` can be traced by ``torch.compile(fullgraph=True)`` (the
 stepping code runs eagerly when False).
@@ -20,16 +16,6 @@ import torch
 
 from polestar.registry import register
 from polestar.stages import Stage
-
-
-def _map(fn, tree):
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_map(fn, v) for v in tree))
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_map(fn, v) for v in tree)
-    return tree
 
 
 def _row_index(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -56,12 +42,6 @@ class Offloader(Stage):
 
     compilable: bool = True
 
-    def put(self, tree):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def fetch(self, stored, device):  # pragma: no cover - abstract
-        raise NotImplementedError
-
     def alloc(self, like: tuple[torch.Tensor, ...]):  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -82,12 +62,6 @@ class NoOffload(Offloader):
     @attrs.frozen
     class Config:
         pass
-
-    def put(self, tree):
-        return tree
-
-    def fetch(self, stored, device):
-        return stored
 
     def alloc(self, like):
         return tuple(t.clone() for t in like)
@@ -163,20 +137,6 @@ class CPUOffload(Offloader):
     @attrs.frozen
     class Config:
         pass
-
-    def put(self, tree):
-        pin = torch.cuda.is_available()
-
-        def to_cpu(t):
-            # a device-to-host copy, synchronous on CUDA: the price of keeping members off the device (paid at a
-            # block start and at each sparse update that rewrites members)
-            t = t.detach().to("cpu", copy=True)
-            return t.pin_memory() if pin else t
-
-        return _map(to_cpu, tree)
-
-    def fetch(self, stored, device):
-        return _map(lambda t: t.to(device, non_blocking=True), stored)
 
     def alloc(self, like):
         pin = torch.cuda.is_available()
