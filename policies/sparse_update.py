@@ -148,8 +148,9 @@ class SparseUpdate(LayerHook):
 
     At each layer: the previous layer's packet is written into the store and its rows' K/V re-projected in the
     layer's q/k/v pass (:meth:`extra_rows`); the strategy picks members from what the pass shows it
-    (:meth:`members`); their outputs become the next layer's packet (:meth:`after_layer`). ``evals [B]``: packet
-    rows re-projected plus valid members, per sequence. With ``strategy.wants_head`` the last layer's members are
+    (:meth:`members`); their outputs become the next layer's packet (:meth:`after_layer`). ``evals [B]``: valid
+    members per sequence, summed over layers (rows through the MLP, as ``token_layer_evals`` counts them; the
+    packet's K/V re-projection rides along as a query-only row). With ``strategy.wants_head`` the last layer's members are
     exposed as ``head_rows [B, M, d]`` (with ``head_positions``, ``head_valid [B, M]``) for the LM head.
     """
 
@@ -170,7 +171,6 @@ class SparseUpdate(LayerHook):
             strategy.on_write(layer, packet, old)
             slots = torch.where(packet.valid, strategy.slots(packet.rows), self.cache.trash)
             kv = ExtraRows(packet.out, self.cache.positions.gather(1, slots), slots)
-            self.evals += packet.valid.sum(-1)
         return strategy.extra_rows(layer, h, packet, kv, meter)
 
     def members(self, layer: int, qkv: LayerQKV) -> MemberRows | None:

@@ -1,0 +1,100 @@
+"""The step-cost counters, pinned to values computed by hand from the model's shape on a small case.
+
+Setting: the tiny LLaDA of ``tests/conftest.py`` (2 layers, d 32, 4 heads of 8, MLP 64, vocab 40, fp32, no bias),
+batch 2 with prompts of 5 tokens, generation 16 in 2 blocks of 8, one token per step (commit ``topk`` with
+``steps = gen_length``), so every policy takes 16 steps: 2 block starts and 14 block steps.
+"""
+
+import math
+
+import pytest
+
+import polestar
+from tests.conftest import make_model
+
+B, P, G, BL, L = 2, 5, 16, 8, 2
+T = P + G
+D, H, HD, MLP, V = 32, 4, 8, 64, 40
+F32 = 4
+LAYER_W = (2 * D + 4 * D * D + 3 * D * MLP) * F32  # two norms, q k v o, gate up down
+HEAD_W = V * D * F32 + D * F32  # LM head + final norm
+KV_READ = 2 * B * H * (T + 1) * HD * F32  # one layer's K and V, trash slot included
+K_READ = KV_READ // 2
+ONE_PER_STEP = dict(commit="topk", gen_length=G, block_length=BL, steps=G, stop_at_eos=False)
+PROMPTS = [[5, 7, 1, 3, 9], [3, 4, 6, 2, 8]]
+
+# Polestar-Cache: windows of 1 prefix + 1 suffix block, 4 clusters, top 2 (last layer 1), capacity 1x.
+POLESTAR = dict(prefix_blocks=1, suffix_blocks=1, window_refresh_every=0, n_clusters=4, topk=2, topk_last=1,
+                capacity=1.0, tau_upd=0, quant="none")
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return make_model("llada", seed=5)
+
+
+def _run(model, policy, **kw):
+    return polestar.generate(model, PROMPTS, policy=policy, **ONE_PER_STEP, **kw).stats
+
+
+def _dense_step(rows: int) -> int:
+    """Weight bytes of a step whose plan has ``rows`` slots per sequence (embedding rows are read, not the table)."""
+    return L * LAYER_W + HEAD_W + B * rows * D * F32
+
+
+def test_fast_dllm_counters_equal_the_hand_count(llada):
+    s = _run(llada, "fast-dllm")
+    assert s.nfe == G
+    starts, block_steps = G // BL, G - G // BL
+    assert s.weight_bytes == starts * _dense_step(T) + block_steps * _dense_step(BL)
+    assert s.token_layer_evals == B * L * (starts * T + block_steps * BL)
+    assert s.kv_bytes == G * L * KV_READ
+    assert s.proxy_query_evals == 0
+
+
+def _capacities(window: int, k_mid: int, k_last: int, k_total: int) -> list[int]:
+    return [math.ceil(window * k_mid / k_total)] * (L - 1) + [math.ceil(window * k_last / k_total)]
+
+
+def test_polestar_cache_counters_equal_the_hand_count(llada):
+    s = _run(llada, "polestar-cache", **POLESTAR)
+    assert s.nfe == G
+    # block 0: window = 8 prefix columns (3 of them before column 0, invalid) + 8 suffix; 2 + 2 clusters
+    # block 1: window = 8 prefix columns, no suffix (end of the sequence); 4 clusters
+    blocks = [(16, 4, _capacities(16, 2, 1, 4)), (8, 4, _capacities(8, 2, 1, 4))]
+    weight = evals = probes = kv = 0
+    for window, k, caps in blocks:
+        # the block start: a full forward, the centroids ride along each layer's q pass, one proxy read per layer
+        weight += _dense_step(T)
+        evals += B * L * T
+        probes += B * L * k
+        kv += L * (KV_READ + K_READ)
+        # 7 update steps: block + members through the MLP; centroids and the previous layer's packet through q/k/v;
+        # layer 0's members read their embedding rows
+        for _ in range(BL - 1):
+            weight += _dense_step(BL) + B * caps[0] * D * F32
+            evals += B * sum(BL + c for c in caps)
+            probes += B * (L * k + sum(caps[:-1]))
+            kv += L * (KV_READ + K_READ)
+    assert (s.weight_bytes, s.token_layer_evals, s.proxy_query_evals, s.kv_bytes) == (weight, evals, probes, kv)
+
+
+def test_polestar_cache_reads_each_weight_once_per_step(llada):
+    """On the same schedule, Polestar-Cache reads at most 5% more weight bytes than Fast-dLLM's dual cache (the
+    difference is the members' embedding rows at layer 0); the packet's logits share the block's LM-head pass."""
+    dual = _run(llada, "fast-dllm")
+    for policy in ("polestar-cache", "polestar"):
+        sparse = _run(llada, policy, **POLESTAR) if policy == "polestar-cache" else _run(llada, policy)
+        assert sparse.nfe == dual.nfe
+        assert sparse.weight_bytes <= 1.05 * dual.weight_bytes, policy
+        assert sparse.weight_bytes >= dual.weight_bytes
+
+
+def test_run_totals_count_buffer_padding_and_sequences_count_their_own_rows(llada):
+    """The run's token-layer evaluations count every computed row, unused slots of the member buffers included; a
+    sequence's own count covers the plan slots and members it used."""
+    dual = _run(llada, "fast-dllm")
+    assert sum(q.token_layer_evals for q in dual.sequences) == dual.token_layer_evals  # no buffer, no padding slot
+    sparse = _run(llada, "polestar-cache", **POLESTAR)
+    own = sum(q.token_layer_evals for q in sparse.sequences)
+    assert dual.token_layer_evals < own < sparse.token_layer_evals
