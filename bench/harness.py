@@ -67,27 +67,65 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
 ITEM_FIELDS = ("policy", "input", "generation", "correct", "nfe", "error")
 
 
+#: Counters of a whole batch (:class:`~polestar.stats.RunStats`) that each record carries a share of: ``steps``
+#: (batched forward passes), ``weight_bytes``, ``kv_bytes`` and ``proxy_query_evals``; the shares of a batch are
+#: integers that sum to the batch's value, so a summary's sums equal :meth:`RunStats.merge` of its batches.
+BATCH_COUNTERS = ("steps", "weight_bytes", "kv_bytes", "proxy_query_evals")
+
+
+def split_evenly(total: int, n: int) -> list[int]:
+    """``total`` split into ``n`` integer shares that differ by at most one and sum to ``total``."""
+    base, extra = divmod(total, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def batch_counter_shares(stats, n: int) -> list[dict[str, int]]:
+    """Each of ``n`` records' share of the :data:`BATCH_COUNTERS` of one batch's ``stats`` (a ``RunStats``)."""
+    totals = {"steps": stats.nfe, "weight_bytes": stats.weight_bytes, "kv_bytes": stats.kv_bytes,
+              "proxy_query_evals": stats.proxy_query_evals}
+    shares = {key: split_evenly(int(value), n) for key, value in totals.items()}
+    return [{key: shares[key][i] for key in BATCH_COUNTERS} for i in range(n)]
+
+
 def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, options: dict[str, Any],
                  decoding: dict[str, Any]) -> tuple[list[dict], Pipeline]:
     """Decode one batch of problems; return one record per problem (:data:`ITEM_FIELDS` plus its ``tokens``,
-    ``token_layer_evals``, ``wall_s`` and ``compile_s``, the batch's times split evenly) and the pipeline it ran."""
+    ``token_layer_evals``, ``wall_s`` and ``compile_s``, the batch's times split evenly, and its share of the
+    batch's :data:`BATCH_COUNTERS`) and the pipeline it ran."""
     name = policy if isinstance(policy, str) else policy.policy
     prompts = [task.format_prompt(p.input) for p in chunk]
     out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
     records = []
-    for prob, text, seq in zip(chunk, out.texts, out.stats.sequences):
+    shares = batch_counter_shares(out.stats, len(chunk))
+    for prob, text, seq, share in zip(chunk, out.texts, out.stats.sequences, shares):
         records.append({
             "policy": name, "input": prob.input, "generation": text,
             "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe, "error": getattr(seq, "error", None),
             "tokens": seq.tokens, "token_layer_evals": seq.token_layer_evals, "wall_s": out.stats.wall_s / len(chunk),
-            "compile_s": out.stats.compile_s / len(chunk),
+            "compile_s": out.stats.compile_s / len(chunk), **share,
         })
     return records, out.pipeline
 
 
+def cost_summary(records: list[dict]) -> dict:
+    """The step-cost counters of ``records`` (see docs/performance.md, "Counters"): the sums of
+    :data:`BATCH_COUNTERS` (records from before these counters count 0), weight bytes per generated token and
+    per step, K/V bytes per token and proxy query rows per token."""
+    sums = {key: sum(r.get(key, 0) for r in records) for key in BATCH_COUNTERS}
+    tokens = max(sum(r["tokens"] for r in records), 1)
+    return {
+        **sums,
+        "weight_bytes_per_token": sums["weight_bytes"] / tokens,
+        "weight_bytes_per_step": sums["weight_bytes"] / max(sums["steps"], 1),
+        "kv_bytes_per_token": sums["kv_bytes"] / tokens,
+        "proxy_query_evals_per_token": sums["proxy_query_evals"] / tokens,
+    }
+
+
 def summarize(records: list[dict], stages: dict | None) -> dict:
-    """Accuracy (with its 95% interval), TPF, TPS, NFE and token-layer evaluations per token of ``records``
-    (from :func:`decode_batch`); ``stages``: the pipeline's ``describe()``."""
+    """Accuracy (with its 95% interval), TPF, TPS, NFE, token-layer evaluations per token and the step-cost
+    counters (:func:`cost_summary`) of ``records`` (from :func:`decode_batch`); ``stages``: the pipeline's
+    ``describe()``."""
     correct = sum(r["correct"] for r in records)
     tokens = sum(r["tokens"] for r in records)
     seq_nfe = sum(r["nfe"] for r in records)
@@ -103,6 +141,7 @@ def summarize(records: list[dict], stages: dict | None) -> dict:
         "n": len(records),
         "wall_s": wall,
         "compile_s": sum(r.get("compile_s", 0.0) for r in records),  # torch.compile time, excluded from wall_s and tps
+        **cost_summary(records),
         "stages": stages,  # the stages and options it ran with
     }
 
@@ -126,14 +165,33 @@ def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, opt
     return [public_item(r) for r in records], summarize(records, pipeline.describe() if pipeline else None)
 
 
+#: Step-cost columns of :func:`format_table`: (header, summary key), shown when the summaries carry them (the
+#: summaries of runs from before these counters do not, and keep their old table)
+COST_COLUMNS = (("W/tok", "weight_bytes_per_token"), ("W/step", "weight_bytes_per_step"),
+                ("KV/tok", "kv_bytes_per_token"), ("proxy/tok", "proxy_query_evals_per_token"))
+
+
+def si(value: float) -> str:
+    """``value`` in at most 6 characters with an SI prefix (``512``, ``3.4k``, ``16.1G``)."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{prefix}"
+    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
+
+
 def format_table(summary: dict[str, dict], title: str) -> str:
+    """The ``polestar bench`` table: accuracy, 95% interval, TPF, TPS, evaluations per token and NFE per policy,
+    then the step-cost columns (:data:`COST_COLUMNS`, bytes with SI prefixes) when the summaries carry them."""
+    costs = [(head, key) for head, key in COST_COLUMNS if all(key in s for s in summary.values())]
     head = f"{'policy':18s} {'accuracy':>9s} {'95% CI':>15s} {'TPF':>6s} {'TPS':>8s} {'evals/tok':>10s} {'NFE':>7s}"
+    head += "".join(f" {h:>9s}" for h, _ in costs)
     lines = [title, head, "-" * len(head)]
     for name, s in summary.items():
         lo, hi = s["accuracy_ci95"]
         lines.append(
             f"{name:18s} {100 * s['accuracy']:8.1f}% [{100 * lo:5.1f},{100 * hi:5.1f}] {s['tpf']:6.2f} "
             f"{s['tps']:8.1f} {s['token_layer_evals_per_token']:10.1f} {s['nfe']:7.1f}"
+            + "".join(f" {si(s[key]):>9s}" for _, key in costs)
         )
     return "\n".join(lines)
 

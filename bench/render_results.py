@@ -39,8 +39,8 @@ n = {n} test problems per task. Reproduce with `bash bench/run_results.sh {n}` (
 
 Columns: accuracy with its 95% Wilson interval; TPF = generated non-EOS tokens per forward; TPS = tokens per
 second (noisy: several jobs shared the 2 cores); evals/tok = token-layer evaluations (positions computed, summed
-over layers and steps) per generated token; NFE = forward passes per problem. Plots: accuracy against TPF with
-the 95% interval of each policy.
+over layers and steps) per generated token; NFE = forward passes per problem (every counter is defined in
+[Performance](performance.md#counters)). Plots: accuracy against TPF with the 95% interval of each policy.
 
 """
 

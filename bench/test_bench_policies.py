@@ -1,5 +1,6 @@
 """pytest-benchmark suite: ``pytest bench --benchmark-only``. Same problems for every policy, grouped by task;
-accuracy, TPF and token-layer evaluations per token go to ``extra_info`` so methods compare as ratios of one run."""
+accuracy, TPF, token-layer evaluations per token and the step-cost counters (weight and K/V bytes, proxy rows; see
+docs/performance.md, "Counters") go to ``extra_info`` so methods compare as ratios of one run."""
 
 import pytest
 
@@ -10,6 +11,9 @@ POLICIES = ["baseline", "parallel", "fast-dllm", "elastic-cache", "polestar-cach
 TASKS = ["arith", "sudoku"]
 DECODING = dict(gen_length=64, block_length=16, steps=None, temperature=0.0, seed=0)
 N = 16
+#: summary keys each benchmark records in ``extra_info``
+EXTRA_INFO = ("accuracy", "tpf", "nfe", "token_layer_evals_per_token", "weight_bytes_per_token",
+              "weight_bytes_per_step", "kv_bytes_per_token", "proxy_query_evals_per_token")
 
 
 @pytest.mark.parametrize("task_name", TASKS)
@@ -26,5 +30,5 @@ def test_policy(benchmark, tiny_llada, task_name, policy):
 
     benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     summary = result["summary"]
-    benchmark.extra_info.update({k: summary[k] for k in ("accuracy", "tpf", "nfe", "token_layer_evals_per_token")})
+    benchmark.extra_info.update({k: summary[k] for k in EXTRA_INFO})
     assert summary["n"] == N

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .layers import Rotary
 from .loading import FAMILIES
 
 # --- LLaDA-8B-Instruct -------------------------------------------------------------------------------------------
@@ -356,3 +357,29 @@ def write_published_checkpoint(
     (directory / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     _WRITERS[family](directory)
     return directory
+
+
+def published_model(family: str, n_layers: int = 1, width: dict[str, Any] | None = None,
+                    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0):
+    """A model shaped like the published ``family`` checkpoint, built in memory with random weights (nothing is
+    written to disk): the published ``config.json`` with ``n_layers`` layers and the keys of ``width`` replaced,
+    allocated once in ``dtype`` on ``device``; norm weights 1, every other tensor N(0, 0.02). No tokenizer is
+    attached, so prompts are token ids. For step-cost benchmarks, where only the shapes matter."""
+    if family not in PUBLISHED:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(PUBLISHED)}")
+    cfg_src, _, _, layers_key = PUBLISHED[family]
+    cfg = {**cfg_src, layers_key: n_layers, **(width or {})}
+    spec_fn, cls, _ = FAMILIES[family]
+    spec = spec_fn(cfg)
+    with torch.device("meta"):
+        model = cls(spec)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("norm" in name or name.endswith("ln_f.weight")):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.rotary = Rotary(spec.head_dim, spec.rope_theta).to(device)  # a buffer computed at init, lost on meta
+    return model.eval()

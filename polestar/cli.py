@@ -246,7 +246,9 @@ def cmd_generate(args) -> int:
     s = RunStats.merge([out.stats for _, out in outs])
     compiled = f" compile={s.compile_s:.2f}s" if args.compile else ""
     print(f"[{args.policy}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s{compiled} "
-          f"token_layer_evals={s.token_layer_evals}", file=sys.stderr)
+          f"token_layer_evals={s.token_layer_evals} proxy_query_evals={s.proxy_query_evals} "
+          f"weight_bytes/token={s.weight_bytes_per_token:.0f} weight_bytes/step={s.weight_bytes_per_step:.0f} "
+          f"kv_bytes={s.kv_bytes}", file=sys.stderr)
     return 0
 
 

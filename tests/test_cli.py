@@ -27,9 +27,14 @@ def checkpoint(tmp_path_factory):
 def test_generate_json(checkpoint, capsys):
     assert main(["generate", "--model", checkpoint, "--task", "arith", "--prompt", "3+4*2-5", "--prompt", "1+1",
                  "--policy", "polestar", "--gen-length", "32", "--block-length", "16", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert len(out["tokens"]) == 2 and len(out["texts"]) == 2
     assert out["stats"]["nfe"] >= 1 and out["stages"]["refresh"]["name"] == "polestar"
+    assert set(out["stats"]) >= {"token_layer_evals", "proxy_query_evals", "weight_bytes", "weight_bytes_per_token",
+                                 "weight_bytes_per_step", "kv_bytes"}
+    for key in ("token_layer_evals=", "proxy_query_evals=", "weight_bytes/token=", "weight_bytes/step=", "kv_bytes="):
+        assert key in captured.err  # the stats line
 
 
 def test_no_stop_at_eos_decodes_every_block(checkpoint, capsys):
@@ -72,9 +77,14 @@ def test_bench_writes_items_summary_and_plot(checkpoint, tmp_path, capsys):
     assert set(res["items"][0]) == {"policy", "input", "generation", "correct", "nfe", "error"}
     assert all(item["error"] is None for item in res["items"])
     for summary in res["summary"].values():
-        assert set(summary) >= {"accuracy", "accuracy_ci95", "tpf", "tps", "nfe", "token_layer_evals_per_token"}
+        assert set(summary) >= {"accuracy", "accuracy_ci95", "tpf", "tps", "nfe", "token_layer_evals_per_token",
+                                "steps", "weight_bytes", "weight_bytes_per_token", "weight_bytes_per_step", "kv_bytes",
+                                "kv_bytes_per_token", "proxy_query_evals", "proxy_query_evals_per_token"}
     assert out_png.stat().st_size > 0
-    assert "baseline" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "baseline" in table
+    for column in ("evals/tok", "NFE", "W/tok", "W/step", "KV/tok", "proxy/tok"):
+        assert column in table
 
 
 def test_wilson_interval():

@@ -78,6 +78,8 @@ def test_counters_written_beside_results(harness_run, bench_run):
     assert c["counters"]["tpf"] == pytest.approx(s["tpf"])
     assert c["counters"]["token_layer_evals_per_token"] == pytest.approx(s["token_layer_evals_per_token"])
     assert c["counters"]["loglikelihood_forwards"] == N * 4  # 4 choices, mc_num 16 = one batch of 16
+    assert set(c["counters"]) >= {"proxy_query_evals", "weight_bytes", "weight_bytes_per_token",
+                                  "weight_bytes_per_step", "kv_bytes", "kv_bytes_per_token"}
 
 
 def test_multiple_choice_task_uses_the_mc_loglikelihood(harness_run):
