@@ -68,9 +68,10 @@ ITEM_FIELDS = ("policy", "input", "generation", "correct", "nfe", "error")
 
 
 #: Counters of a whole batch (:class:`~polestar.stats.RunStats`) that each record carries a share of: ``steps``
-#: (batched forward passes), ``weight_bytes``, ``kv_bytes`` and ``proxy_query_evals``; the shares of a batch are
+#: (batched forward passes), ``token_layer_evals`` (every row computed, padding included), ``weight_bytes``,
+#: ``kv_bytes`` and ``proxy_query_evals``; the shares of a batch are
 #: integers that sum to the batch's value, so a summary's sums equal :meth:`RunStats.merge` of its batches.
-BATCH_COUNTERS = ("steps", "weight_bytes", "kv_bytes", "proxy_query_evals")
+BATCH_COUNTERS = ("steps", "token_layer_evals", "weight_bytes", "kv_bytes", "proxy_query_evals")
 
 
 def split_evenly(total: int, n: int) -> list[int]:
@@ -81,17 +82,17 @@ def split_evenly(total: int, n: int) -> list[int]:
 
 def batch_counter_shares(stats, n: int) -> list[dict[str, int]]:
     """Each of ``n`` records' share of the :data:`BATCH_COUNTERS` of one batch's ``stats`` (a ``RunStats``)."""
-    totals = {"steps": stats.nfe, "weight_bytes": stats.weight_bytes, "kv_bytes": stats.kv_bytes,
-              "proxy_query_evals": stats.proxy_query_evals}
+    totals = {"steps": stats.nfe, "token_layer_evals": stats.token_layer_evals, "weight_bytes": stats.weight_bytes,
+              "kv_bytes": stats.kv_bytes, "proxy_query_evals": stats.proxy_query_evals}
     shares = {key: split_evenly(int(value), n) for key, value in totals.items()}
     return [{key: shares[key][i] for key in BATCH_COUNTERS} for i in range(n)]
 
 
 def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, options: dict[str, Any],
                  decoding: dict[str, Any]) -> tuple[list[dict], Pipeline]:
-    """Decode one batch of problems; return one record per problem (:data:`ITEM_FIELDS` plus its ``tokens``,
-    ``token_layer_evals``, ``wall_s`` and ``compile_s``, the batch's times split evenly, and its share of the
-    batch's :data:`BATCH_COUNTERS`) and the pipeline it ran."""
+    """Decode one batch of problems; return one record per problem (:data:`ITEM_FIELDS` plus its ``tokens``, its
+    own ``sequence_token_layer_evals``, ``wall_s`` and ``compile_s``, the batch's times split evenly, and its share
+    of the batch's :data:`BATCH_COUNTERS`) and the pipeline it ran."""
     name = policy if isinstance(policy, str) else policy.policy
     prompts = [task.format_prompt(p.input) for p in chunk]
     out = polestar.generate(model, prompts, policy=policy, **decoding, **options)
@@ -101,7 +102,7 @@ def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, opti
         records.append({
             "policy": name, "input": prob.input, "generation": text,
             "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe, "error": getattr(seq, "error", None),
-            "tokens": seq.tokens, "token_layer_evals": seq.token_layer_evals, "wall_s": out.stats.wall_s / len(chunk),
+            "tokens": seq.tokens, "sequence_token_layer_evals": seq.token_layer_evals, "wall_s": out.stats.wall_s / len(chunk),
             "compile_s": out.stats.compile_s / len(chunk), **share,
         })
     return records, out.pipeline
@@ -138,6 +139,8 @@ def summarize(records: list[dict], stages: dict | None) -> dict:
         "tps": tokens / wall if wall > 0 else 0.0,
         "nfe": seq_nfe / max(len(records), 1),
         "token_layer_evals_per_token": sum(r["token_layer_evals"] for r in records) / max(tokens, 1),
+        "sequence_token_layer_evals_per_token": (
+            sum(r.get("sequence_token_layer_evals", r["token_layer_evals"]) for r in records) / max(tokens, 1)),
         "n": len(records),
         "wall_s": wall,
         "compile_s": sum(r.get("compile_s", 0.0) for r in records),  # torch.compile time, excluded from wall_s and tps

@@ -55,6 +55,16 @@ def forced_commits(transfer: torch.Tensor, masked: torch.Tensor, confidence: tor
     return stalled[:, None] & best & masked
 
 
+def own_slots(plan, cache) -> torch.Tensor:
+    """The plan slots that hold one of the row's own positions (valid, not left padding): ``[B, C]`` or
+    ``[L, B, C]`` bool, like ``plan.valid``. A sequence's own counters count these, so they do not depend on the
+    batch it was decoded in."""
+    key_valid = cache.key_valid
+    if plan.per_layer:
+        key_valid = key_valid.expand(plan.index.shape[0], -1, -1)
+    return plan.valid & key_valid.gather(-1, plan.index)
+
+
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits [B, bl, V]`` → ``[B]`` bool: rows with a NaN or infinite logit (a broken model or input)."""
     return ~torch.isfinite(logits).all(dim=2).all(dim=1)
@@ -158,8 +168,8 @@ def decode(
             if extra is not None:
                 keep = state.x.gather(1, extra.positions)
                 state.x.scatter_(1, extra.positions, torch.where(extra.commit, extra.tokens, keep))
-            layers_valid = plan.valid.sum(dim=-1)
-            evals += layers_valid.sum(dim=0) if plan.per_layer else layers_valid * spec.n_layers
+            own = own_slots(plan, cache).sum(dim=-1)
+            evals += own.sum(dim=0) if plan.per_layer else own * spec.n_layers
             if hook is not None:
                 evals += hook.evals
             nfe += stepped.long()

@@ -8,7 +8,10 @@ import attrs
 @attrs.frozen
 class SequenceStats:
     """Per-sequence counters: ``nfe`` forward passes that computed this sequence, ``tokens`` generated non-EOS
-    tokens, ``token_layer_evals`` positions computed summed over layers and steps, ``tpf`` = tokens / nfe,
+    tokens, ``token_layer_evals`` this sequence's own positions (not left padding) that went through a layer's
+    MLP, plan slots and sparse-update members, summed over layers and steps while the sequence was decoding (the
+    run's total in :class:`RunStats` also counts padding, unused buffer slots and frozen rows, so the sum of these
+    is at most the total and, unlike it, does not depend on the batch), ``tpf`` = tokens / nfe,
     ``error``: why decoding of this sequence stopped early (e.g. non-finite logits), None when it finished."""
 
     nfe: int
@@ -75,6 +78,11 @@ class RunStats:
         return self.token_layer_evals / max(self.tokens, 1)
 
     @property
+    def sequence_token_layer_evals(self) -> int:
+        """The sequences' own token-layer evaluations (sum of :attr:`SequenceStats.token_layer_evals`)."""
+        return sum(s.token_layer_evals for s in self.sequences)
+
+    @property
     def weight_bytes_per_token(self) -> float:
         return self.weight_bytes / max(self.tokens, 1)
 
@@ -93,6 +101,7 @@ class RunStats:
             "compile_s": self.compile_s,
             "token_layer_evals": self.token_layer_evals,
             "token_layer_evals_per_token": self.token_layer_evals_per_token,
+            "sequence_token_layer_evals": self.sequence_token_layer_evals,
             "proxy_query_evals": self.proxy_query_evals,
             "weight_bytes": self.weight_bytes,
             "weight_bytes_per_token": self.weight_bytes_per_token,

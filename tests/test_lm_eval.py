@@ -76,7 +76,11 @@ def test_counters_written_beside_results(harness_run, bench_run):
     assert c["counters"]["sequences"] == N
     s = bench_run["summary"]["polestar"]
     assert c["counters"]["tpf"] == pytest.approx(s["tpf"])
-    assert c["counters"]["token_layer_evals_per_token"] == pytest.approx(s["token_layer_evals_per_token"])
+    # lm-eval hands the requests over in its own order, so batches (and their padding and frozen rows) differ from
+    # the bench's: the sequences' own counts agree, the computed totals are at least those
+    own = c["counters"]["sequence_token_layer_evals_per_token"]
+    assert own == pytest.approx(s["sequence_token_layer_evals_per_token"])
+    assert c["counters"]["token_layer_evals_per_token"] >= own
     assert c["counters"]["loglikelihood_forwards"] == N * 4  # 4 choices, mc_num 16 = one batch of 16
     assert set(c["counters"]) >= {"proxy_query_evals", "weight_bytes", "weight_bytes_per_token",
                                   "weight_bytes_per_step", "kv_bytes", "kv_bytes_per_token"}

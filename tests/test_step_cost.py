@@ -61,9 +61,9 @@ def test_polestar_cache_counters_equal_the_hand_count(llada):
     assert s.nfe == G
     # block 0: window = 8 prefix columns (3 of them before column 0, invalid) + 8 suffix; 2 + 2 clusters
     # block 1: window = 8 prefix columns, no suffix (end of the sequence); 4 clusters
-    blocks = [(16, 4, _capacities(16, 2, 1, 4)), (8, 4, _capacities(8, 2, 1, 4))]
+    blocks = [(4, _capacities(16, 2, 1, 4)), (4, _capacities(8, 2, 1, 4))]  # (clusters, member capacities)
     weight = evals = probes = kv = 0
-    for window, k, caps in blocks:
+    for k, caps in blocks:
         # the block start: a full forward, the centroids ride along each layer's q pass, one proxy read per layer
         weight += _dense_step(T)
         evals += B * L * T

@@ -13,7 +13,9 @@ class DecodingCounters:
 
     ``nfe``: batched forward passes; ``sequence_nfe``: forward passes summed over sequences (the paper's NFE at
     batch 1); ``tokens``: generated non-EOS tokens; ``wall_s``: decoding wall time; ``token_layer_evals``: rows
-    computed summed over layers, steps and sequences; ``proxy_query_evals``: query-only probe rows summed over
+    computed summed over layers, steps and sequences (padding and frozen rows included);
+    ``sequence_token_layer_evals``: the sequences' own rows (independent of how requests were batched);
+    ``proxy_query_evals``: query-only probe rows summed over
     layers, steps and sequences; ``weight_bytes``: weight bytes read, summed over steps; ``kv_bytes``: cached
     K/V bytes read by attention; ``sequences``: generations; ``loglikelihood_forwards``: batched forwards spent
     on log-likelihood requests (not part of TPF/TPS, nor of the byte counters).
@@ -24,6 +26,7 @@ class DecodingCounters:
     tokens: int = 0
     wall_s: float = 0.0
     token_layer_evals: int = 0
+    sequence_token_layer_evals: int = 0
     sequences: int = 0
     loglikelihood_forwards: int = 0
     proxy_query_evals: int = 0
@@ -37,6 +40,7 @@ class DecodingCounters:
         self.tokens += stats.tokens
         self.wall_s += stats.wall_s
         self.token_layer_evals += stats.token_layer_evals
+        self.sequence_token_layer_evals += stats.sequence_token_layer_evals
         self.sequences += len(stats.sequences)
         self.proxy_query_evals += stats.proxy_query_evals
         self.weight_bytes += stats.weight_bytes
@@ -53,13 +57,14 @@ class DecodingCounters:
 
     def as_dict(self) -> dict:
         """The sums plus ``tpf`` (tokens / sequence_nfe), ``tps`` (tokens / wall_s; with several ranks, per
-        process), ``token_layer_evals_per_token``, ``weight_bytes_per_token``, ``weight_bytes_per_step``
+        process), ``token_layer_evals_per_token``, ``sequence_token_layer_evals_per_token``, ``weight_bytes_per_token``, ``weight_bytes_per_step``
         (weight_bytes / nfe), ``kv_bytes_per_token`` and ``proxy_query_evals_per_token``."""
         out = attrs.asdict(self)
         tokens = max(self.tokens, 1)
         out["tpf"] = self.tokens / self.sequence_nfe if self.sequence_nfe else 0.0
         out["tps"] = self.tokens / self.wall_s if self.wall_s > 0 else 0.0
         out["token_layer_evals_per_token"] = self.token_layer_evals / tokens
+        out["sequence_token_layer_evals_per_token"] = self.sequence_token_layer_evals / tokens
         out["weight_bytes_per_token"] = self.weight_bytes / tokens
         out["weight_bytes_per_step"] = self.weight_bytes / max(self.nfe, 1)
         out["kv_bytes_per_token"] = self.kv_bytes / tokens
