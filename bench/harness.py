@@ -303,7 +303,7 @@ def profile_policies(model_name, task_name, policies, n, options, decoding, batc
         opts = optional_overrides(options)
         times = profile_shares(lambda name=name, opts=opts: run_policy(model, task, problems, name, opts, decoding, batch_size))
         total = times.pop("total")
-        drift_parts = ("proxy_attention", "drift", "cluster", "store", "packet")
+        drift_parts = ("proxy_attention", "drift", "cluster", "store")
         shares = {"model_forward": (times["forward"] - sum(times[k] for k in drift_parts)) / total}
         shares.update({k: times[k] / total for k in (*drift_parts, "commit")})
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
@@ -312,7 +312,7 @@ def profile_policies(model_name, task_name, policies, n, options, decoding, batc
 
 
 def format_profile(profile: dict[str, dict[str, float]]) -> str:
-    cols = ["model_forward", "proxy_attention", "drift", "cluster", "store", "packet", "commit", "other"]
+    cols = ["model_forward", "proxy_attention", "drift", "cluster", "store", "commit", "other"]
     lines = ["share of step time (%)", f"{'policy':18s} " + " ".join(f"{c[:10]:>10s}" for c in cols)]
     for name, shares in profile.items():
         lines.append(f"{name:18s} " + " ".join(f"{100 * shares[c]:10.1f}" for c in cols))

@@ -136,7 +136,7 @@ def decode(
             hook = refresh.hook(state, plan, cache, model, refresh_local)
             probe = commit.probe(state, plan) or refresh.probe(state, plan)
             target = plan.target_offset + block_cols
-            with scope("forward"):  # includes the selector's post-forward work (Polestar's block-start clustering)
+            with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
                 logits, probs, packet_logits, cost = runner(
                     model, state.x, cache, plan, target[None, :].expand(B, -1), probe, hook)
                 refresh.observe(state, plan, probs, cache, refresh_local)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-SCOPES = ("forward", "proxy_attention", "drift", "cluster", "store", "packet", "commit")
+SCOPES = ("forward", "proxy_attention", "drift", "cluster", "store", "commit")
 _ENABLED = False
 
 
