@@ -98,3 +98,18 @@ def test_run_totals_count_buffer_padding_and_sequences_count_their_own_rows(llad
     sparse = _run(llada, "polestar-cache", **POLESTAR)
     own = sum(q.token_layer_evals for q in sparse.sequences)
     assert dual.token_layer_evals < own < sparse.token_layer_evals
+
+
+def test_profile_shares_cover_the_step_and_see_polestar_stages():
+    """``polestar bench --profile``: per policy the shares of step time sum to 1; Polestar's drift stages get time,
+    `fast-dllm` has none; the table has one line per policy."""
+    from polestar.bench.harness import format_profile, profile_policies
+
+    decoding = dict(gen_length=32, block_length=16, threshold=0.9)
+    shares = profile_policies("tiny-llada", "arith", ["fast-dllm", "polestar"], 4, {}, decoding, batch_size=4)
+    for name, parts in shares.items():
+        assert sum(parts.values()) == pytest.approx(1.0, abs=1e-6), name
+        assert all(v >= 0 for k, v in parts.items() if k != "model_forward"), name
+    assert shares["polestar"]["proxy_attention"] > 0 and shares["polestar"]["cluster"] > 0
+    assert shares["fast-dllm"]["proxy_attention"] == shares["fast-dllm"]["cluster"] == 0
+    assert len(format_profile(shares).splitlines()) == 2 + 2
