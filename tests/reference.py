@@ -73,11 +73,12 @@ def naive_logits(model, ids):
     return logits
 
 
-def stale_logits(model, ids, stale_inputs, start, end):
+def stale_logits(model, ids, stale_inputs, start, end, shift=None):
     """Logits of positions ``[start, end)`` when only they are recomputed and every other position's K/V come from
     ``stale_inputs`` (the per-layer inputs of an earlier full forward) — Fast-dLLM's dual/prefix cache semantics.
-    For Dream the recomputed span starts one position early (shifted logits)."""
-    shift = model.spec.logit_shift
+    The recomputed span starts ``shift`` positions early (default: the model's logit shift, one for Dream's shifted
+    logits; 0 gives the unshifted logits of hidden states ``[start, end)``)."""
+    shift = model.spec.logit_shift if shift is None else shift
     s = start - shift
     pos = torch.arange(s, end)
     h = model.embed(ids[:, s:end])

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from polestar.models.loading import load_model, save_model
 from polestar.models.plan import full_plan, span_plan
 from tests.conftest import make_model
-from tests.reference import layer_kv_inputs, naive_layer, naive_logits
+from tests.reference import layer_kv_inputs, naive_logits, stale_logits
 
 
 def test_full_forward_matches_naive(model):
@@ -27,18 +27,6 @@ def test_llada_variants_match_naive(over):
 def raw_reference_logits(model, ids):
     """Unshifted reference logits ``[B, L, V]``: position ``i`` from hidden state ``i`` (both families)."""
     return model.head(model.final_norm(layer_kv_inputs(model, ids)[-1]))
-
-
-def stale_reference_logits(model, ids, stale_inputs, start, end):
-    """Unshifted reference logits ``[B, end - start, V]`` of the span when only it is recomputed and every other
-    position's K/V come from ``stale_inputs`` (the per-layer inputs of an earlier forward)."""
-    pos = torch.arange(start, end)
-    h = model.embed(ids[:, start:end])
-    for layer in range(model.spec.n_layers):
-        kv = stale_inputs[layer].clone()
-        kv[:, start:end] = h
-        h = naive_layer(model, layer, h, kv, pos)
-    return model.head(model.final_norm(h))
 
 
 def plan_logits(model, ids, cache, plan):
@@ -93,7 +81,7 @@ def test_block_plan_on_stale_cache_matches_reference(model):
     cache = model.new_cache(torch.ones(2, 20, dtype=torch.bool))
     model.run_plan(old, cache, full_plan(2, 20, "cpu"))
     got = plan_logits(model, new, cache, span_plan(2, 8, 16, "cpu"))
-    ref = stale_reference_logits(model, new, layer_kv_inputs(model, old), 8, 16)
+    ref = stale_logits(model, new, layer_kv_inputs(model, old), 8, 16, shift=0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     fresh = raw_reference_logits(model, new)[:, 8:16]
     assert (got - fresh).abs().max() > 1e-3  # the stale K/V matter: the comparison above can fail
