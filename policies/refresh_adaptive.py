@@ -162,7 +162,8 @@ class _ElasticMembers(_CandidateStrategy):
         # rows triggered below: every candidate's new input re-projects its K/V; the others' rows give queries
         self.n_cand = self.cand.shape[1]
         kv_index = torch.where(self.triggered[:, None] & self.cand_valid, self.cand, self.cache.trash)
-        cand = ExtraRows(self.candidate_inputs(layer, meter), self.cand_pos, kv_index)
+        self.cand_inputs = self.candidate_inputs(layer, meter)
+        cand = ExtraRows(self.cand_inputs, self.cand_pos, kv_index)
         return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(cand, probes)))
 
     def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
@@ -185,7 +186,7 @@ class _ElasticMembers(_CandidateStrategy):
         rows = torch.where(valid, self.cand, self.trash)
         if packet is None:  # the first trigger: the members' queries need a q pass of their own
             return Selection(rows, valid, None, self.candidate_inputs(layer, qkv.meter))
-        return Selection(rows, valid, qkv.q[:, :, C : C + n])
+        return Selection(rows, valid, qkv.q[:, :, C : C + n], self.cand_inputs)  # the inputs read for this pass
 
 
 @register("refresh", "dllm-cache")

@@ -278,7 +278,7 @@ class _PolestarMembers(MemberStrategy):
         self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
         self.capacity = sel.capacities(window.size, model.spec.n_layers)
         self.wants_head = sel.packet_logits
-        self.x = torch.cat([state.x, state.x[:, :1]], dim=1)  # the trash slot reads token 0
+        self.x = state.x
         self.n_kv = 0
 
     def slots(self, rows: torch.Tensor) -> torch.Tensor:
@@ -331,7 +331,7 @@ class _PolestarMembers(MemberStrategy):
             q = local.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
         inputs = None
         if layer == 0:  # layer 0's input is the token embedding: read it, not the store
-            tokens = self.x.gather(1, self.slots(rows))
+            tokens = self.x.gather(1, self.slots(rows).clamp(max=self.x.shape[1] - 1))  # trash slots: any token
             inputs = model.embed(tokens)
             qkv.meter.embedding(model.embedding_weight(), tokens.numel())
         return Selection(rows, valid, q, inputs)
