@@ -14,16 +14,18 @@ NEG_INF = tl.constexpr(float("-inf"))
 def assign_kernel(
     x_ptr,  # [G, N, D] any float dtype, unit stride on D
     c_ptr,  # [G, K, D] fp64 unit-norm centroids, contiguous
+    kv_ptr,  # [G, K] int8 enabled clusters, contiguous (unused unless HAS_KV)
     out_ptr,  # [G, N] int64
     N,
     D,
     K,
     stride_xg,
     stride_xn,
+    HAS_KV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """labels[g, n] = argmax_k <x[g, n], c_hat[g, k]> in fp64, ties -> lowest k."""
+    """labels[g, n] = argmax_k <x[g, n], c_hat[g, k]> in fp64 over the enabled k, ties -> lowest k."""
     g = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -41,6 +43,8 @@ def assign_kernel(
             acc += xt.to(tl.float64) * ct[None, :]
         score = reduce_sum(acc, axis=1)
         better = score > best  # strict: ties keep the lower index
+        if HAS_KV:
+            better = better & (tl.load(kv_ptr + g * K + j) != 0)
         best = tl.where(better, score, best)
         best_idx = tl.where(better, j, best_idx)
     tl.store(out_ptr + g * N + offs_n, best_idx, mask=mask_n)

@@ -124,7 +124,7 @@ def generate(
     seed: int = 0,
     threshold: float | None = None,
     stop_at_eos: bool = True,
-    compile: bool = False,
+    compile: bool | str = False,
     chat: bool = False,
     system: str | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
@@ -136,8 +136,9 @@ def generate(
     ``overrides`` set stage options (``threshold=0.8``, ``commit.threshold=0.8``) or swap stages
     (``refresh="prefix"``); every value is validated before any work starts. ``threshold`` is the confidence
     threshold of the threshold-based commit rules; policies without one (``baseline``) ignore it, so one call
-    can sweep every policy. ``compile=True`` runs each step's forward through ``torch.compile`` (CUDA graphs on
-    CUDA); tokens are the same as eager, and the time spent compiling is reported as ``stats.compile_s`` and left
+    can sweep every policy. ``compile=True`` runs each whole step (plan, sparse update, forward, commit rule, EOS
+    bookkeeping, counters) as one ``torch.compile`` graph (CUDA graphs on CUDA; a string names another
+    ``torch.compile`` backend); tokens are the same as eager, and the time spent compiling is reported as ``stats.compile_s`` and left
     out of ``stats.wall_s`` / ``stats.tps``. ``chat=True`` applies the checkpoint's chat template to string prompts
     (``system``: optional system turn). A sequence stops at EOS or at the chat format's end-of-turn token
     (``model.text_defaults.stop_ids``). ``temperature`` None takes ``generation_config.json``'s value, else 0. ``on_step`` receives a

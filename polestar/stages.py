@@ -3,7 +3,10 @@
 Lifecycle (every stage kind): a stage is a frozen config plus pure methods and keeps no per-generation state on
 itself. At the start of a generation the engine calls ``init_state(state)`` and keeps the returned object (None
 for stateless stages); at each block start it calls ``begin_block(local, state)``; every per-step method of a
-refresh selector or commit rule receives that object as ``local``. What stages hand each other travels in typed
+refresh selector or commit rule receives that object as ``local``. A refresh selector's :meth:`RefreshSelector.allocate`
+then prepares the block on the host (buffers, random draws); everything per step runs inside one step function
+(:func:`polestar.step.decode_step`) that may be compiled whole, so per-step methods must not read the device
+(no ``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero()``) and draw no random numbers. What stages hand each other travels in typed
 fields of :class:`~polestar.state.DecodeState` (``last_commits``, ``packet``) or in typed return values
 (:class:`~polestar.state.CommitSelection`, :class:`~polestar.state.SuffixCommit`). So one assembled pipeline can
 decode several generations at once.
@@ -92,6 +95,11 @@ class RefreshSelector(Stage):
     def plan(self, state: DecodeState, cache: DecodeCache, local: Any) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def allocate(self, local: Any, state: DecodeState, cache: DecodeCache, model) -> None:
+        """Host-side preparation of a block, called after :meth:`begin_block` and outside the compiled step:
+        allocate buffers (once; reuse them across blocks) and draw random numbers from ``state.generator``.
+        Default: nothing."""
+
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: Any) -> LayerHook | None:
         """A :class:`LayerHook` for this step's forward (sparse updates), or None."""
         return None
@@ -110,10 +118,12 @@ class CommitRule(Stage):
 
     ``select(pred, masked, state, local)`` → :class:`~polestar.state.CommitSelection` (``commit [B, bl]`` bool).
     ``masked``: ``[B, bl]`` bool masked positions of active rows. The engine commits only masked positions and
-    guarantees at least one commit per active row.
+    guarantees at least one commit per active row. ``needs_random``: the rule reads ``state.random.remask``
+    (``[B, bl]`` uniform scores drawn before each step).
     """
 
     wants_packet: bool = False
+    needs_random: bool = False
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState,
                local: Any) -> CommitSelection:  # pragma: no cover - abstract

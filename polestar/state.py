@@ -26,14 +26,26 @@ class Prediction(NamedTuple):
     logits: torch.Tensor
 
 
+class StepRandom(NamedTuple):
+    """One step's random numbers, drawn from the generation's generator before the step runs (so a compiled step
+    and an eager one consume the same stream): ``gumbel``: ``[B, bl, V]`` float64 uniform draws for Gumbel-max
+    sampling (None at temperature 0); ``remask``: ``[B, bl]`` float64 uniform scores for random remasking (None
+    unless the commit rule ``needs_random``)."""
+
+    gumbel: torch.Tensor | None = None
+    remask: torch.Tensor | None = None
+
+
 def propose(
-    logits: torch.Tensor, mask_id: int, temperature: float = 0.0, generator: torch.Generator | None = None
+    logits: torch.Tensor, mask_id: int, temperature: float = 0.0, generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and float64 confidences for ``logits [..., V]`` → ``[...]``, ``[...]``.
 
     The mask token is never proposed (its logit is excluded before argmax / sampling). With ``temperature > 0``
-    tokens are Gumbel-max samples in float64 as in LLaDA (``exp(l) / (-log u)^temperature``). Confidence is the
-    softmax probability of the proposed token under the unmodified logits.
+    tokens are Gumbel-max samples in float64 as in LLaDA (``exp(l) / (-log u)^temperature``), with ``u`` the
+    uniform draws ``noise`` (same shape as ``logits``) or, without them, drawn here from ``generator``. Confidence
+    is the softmax probability of the proposed token under the unmodified logits.
     """
     l64 = logits.to(torch.float64)
     scores = l64
@@ -41,7 +53,8 @@ def propose(
         scores = l64.clone()
         scores[..., mask_id] = float("-inf")
     if temperature > 0:
-        noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64, device=generator.device)
+        if noise is None:
+            noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64, device=generator.device)
         scores = scores.exp() / (-torch.log(noise.to(scores.device))) ** temperature
     tokens = scores.argmax(dim=-1)
     conf = (l64.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(l64, dim=-1)).exp()
@@ -141,7 +154,7 @@ class DecodeState:
     generation; ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts for the current block.
     Typed hand-offs between stages: ``last_commits`` ``[B]`` long, tokens committed per row by the previous step
     (engine → refresh selectors); ``packet``: this step's :class:`UpdatePacket` or None (refresh selector's
-    forward hook → commit rule).
+    forward hook → commit rule); ``random``: this step's :class:`StepRandom`.
     """
 
     x: torch.Tensor
@@ -161,7 +174,7 @@ class DecodeState:
     num_transfer: torch.Tensor | None = None
     last_commits: torch.Tensor | None = None
     packet: UpdatePacket | None = None
-    compile: bool = False  # steps run through torch.compile; stages may compile their post-forward work too
+    random: StepRandom = StepRandom()
 
     @property
     def length(self) -> int:
@@ -183,3 +196,7 @@ class DecodeState:
     def block_masked(self) -> torch.Tensor:
         """``[B, bl]`` bool: mask tokens of the current block in active rows."""
         return (self.x[:, self.block_start : self.block_end] == self.mask_id) & self.active[:, None]
+
+    def block_masked_any(self) -> torch.Tensor:
+        """``[B]`` bool: rows with a mask token in the current block (active or not)."""
+        return (self.x[:, self.block_start : self.block_end] == self.mask_id).any(dim=1)

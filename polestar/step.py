@@ -1,36 +1,91 @@
-"""The per-step forward as one function of tensors, so it can be compiled whole with ``torch.compile``.
+"""One decoding step as one function of tensors (gpt-fast's ``decode_one_token``), compiled whole.
 
-``block_forward`` executes a plan (with an optional sparse-update hook and attention probe) and returns the logits
-of the current block's positions, the logits of the hook's last-layer rows (the update packet) from the same pass
-over the LM head, and the pass's :class:`~polestar.models.cost.StepCost`; the Python block/step loop in
-:mod:`polestar.engine` stays around it. With
-``compile=True`` it is wrapped in ``torch.compile(fullgraph=True)`` (``mode="reduce-overhead"`` — CUDA graphs — on
-CUDA, with the cache buffers marked as static addresses). Shapes: ``index, valid [B, C]`` (or per layer
-``[L, B, C]``), ``target_slots [B, bl]`` → logits ``[B, bl, V]``, probe ``[B, H, R, T + 1]`` or None, packet
-logits ``[B, M, V]`` or None, and the cost (plain ints, returned by a compiled step as well).
+:func:`decode_step` runs everything a step does: the refresh selector's plan and sparse-update hook (Polestar's
+block-start clustering and stores included), the plan's forward with the update packet and the attention probe
+riding along, prediction, the commit rule, the engine's progress guarantee, suffix-block commits, EOS bookkeeping,
+the counters and the per-block "work left" flags the loop reads. It reads nothing back to the host, so with
+``compile=True`` it is one ``torch.compile(fullgraph=True)`` graph per plan shape (one CUDA-graph replay per step
+on CUDA, ``mode="reduce-overhead"``), and the Python loop in :mod:`polestar.engine` reads one small tensor per step.
+
+What varies from step to step without changing a shape (the block's columns, the step inside the block, the
+global step) enters as plain int arguments that dynamo treats as symbolic from the first compile, so a new block
+or step replays a graph instead of compiling one. Random numbers (Gumbel noise, random remasking, k-means seeds)
+are drawn before the step from the generation's ``torch.Generator`` (:meth:`Generation.draw`), so compiled and
+eager decoding consume the same random stream.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
+import attrs
 import torch
 
 from polestar.models.backbone import AttentionProbe, DiffusionLM
-from polestar.models.cost import CostMeter
+from polestar.models.cost import CostMeter, StepCost
 from polestar.models.plan import DecodeCache, Plan
 
+from .config import GenerationConfig
+from .policy import Pipeline
+from .profiling import scope
+from .state import CommitOrigins, DecodeState, Prediction, StepRandom, UpdatePacket, propose
 
-def block_forward(
-    model: DiffusionLM,
-    x: torch.Tensor,
-    cache: DecodeCache,
-    index: torch.Tensor,
-    valid: torch.Tensor,
-    target_slots: torch.Tensor,
-    probe: AttentionProbe | None,
-    hook,
-):
+
+def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, noise: torch.Tensor | None,
+            mask_id: int) -> Prediction:
+    """Proposals for the block (see :func:`polestar.state.propose`): ``logits [B, bl, V]``, ``masked [B, bl]``,
+    ``noise [B, bl, V]`` uniform draws or None → :class:`Prediction` with ``-inf`` confidence outside ``masked``."""
+    tokens, conf = propose(logits, mask_id, temperature, noise=noise)
+    return Prediction(tokens, conf.masked_fill(~masked, float("-inf")), logits)
+
+
+def eos_finished(gen: torch.Tensor, mask_id: int, stop_ids: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose generation ``gen [B, G]`` holds a stop token (EOS, or any id of the LongTensor ``stop_ids [S]``
+    on ``gen``'s device, e.g. EOS and end-of-turn) with every earlier position committed. No host sync.
+
+    Returns ``(finished [B] bool, fill [B, G] bool)`` where ``fill`` marks the masked positions after that stop.
+    """
+    is_eos = gen == stop_ids if isinstance(stop_ids, int) else torch.isin(gen, stop_ids)
+    has_eos = is_eos.any(dim=1)
+    first = torch.where(has_eos, is_eos.long().argmax(dim=1), gen.shape[1])
+    col = torch.arange(gen.shape[1], device=gen.device)[None, :]
+    masked = gen == mask_id
+    finished = has_eos & ~(masked & (col < first[:, None])).any(dim=1)
+    fill = finished[:, None] & masked & (col > first[:, None])
+    return finished, fill
+
+
+def forced_commits(transfer: torch.Tensor, masked: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+    """The engine's progress guarantee: in rows with masked positions where the rule chose nothing, the most
+    confident masked position. ``transfer, masked [B, bl]`` bool, ``confidence [B, bl]`` → ``[B, bl]`` bool."""
+    stalled = masked.any(dim=1) & ~transfer.any(dim=1)
+    best = torch.zeros_like(masked).scatter_(1, confidence.argmax(dim=1, keepdim=True), True)
+    return stalled[:, None] & best & masked
+
+
+def own_slots(plan: Plan, cache: DecodeCache) -> torch.Tensor:
+    """The plan slots that hold one of the row's own positions (valid, not left padding): ``[B, C]`` or
+    ``[L, B, C]`` bool, like ``plan.valid``. A sequence's own counters count these, so they do not depend on the
+    batch it was decoded in."""
+    key_valid = cache.key_valid
+    if plan.per_layer:
+        key_valid = key_valid.expand(plan.index.shape[0], -1, -1)
+    return plan.valid & key_valid.gather(-1, plan.index)
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [B, bl, V]`` → ``[B]`` bool: rows with a NaN or infinite logit (a broken model or input)."""
+    return ~torch.isfinite(logits).all(dim=2).all(dim=1)
+
+
+def block_forward(model: DiffusionLM, x: torch.Tensor, cache: DecodeCache, plan: Plan, target_slots: torch.Tensor,
+                  probe: AttentionProbe | None, hook):
+    """Execute ``plan`` (with the optional sparse-update ``hook`` and attention ``probe``): ``target_slots [B, bl]``
+    → block logits ``[B, bl, V]``, probe ``[B, H, R, T + 1]`` or None, the update packet's logits ``[B, M, V]`` or
+    None (same LM-head pass as the block's) and the pass's :class:`StepCost`."""
     meter = CostMeter()
-    out = model.run_plan(x, cache, Plan(index, valid, 0), probe, hook, meter)
+    out = model.run_plan(x, cache, plan, probe, hook, meter)
     h = out.hidden.gather(1, target_slots[..., None].expand(-1, -1, out.hidden.shape[-1]))
     extra = hook.head_rows if hook is not None else None
     if extra is None:
@@ -41,34 +96,192 @@ def block_forward(
     return logits[:, :bl], out.probe, logits[:, bl:], meter.result()
 
 
-class StepRunner:
-    """Runs :func:`block_forward` eagerly or compiled.
+@attrs.define
+class Totals:
+    """Per-sequence accumulators of one generation, updated in place by every step (``[B]`` each): ``finished``
+    bool, ``failed_at`` long (the step whose logits were non-finite, -1 if none), ``nfe`` long (forwards that
+    decoded the row), ``evals`` long (the row's own token-layer evaluations), ``steps`` long scalar (steps run)."""
 
-    Steps whose hook declares ``compilable = False`` (cluster construction at a block start, which draws random
-    initial centroids, and Elastic-Cache's data-dependent trigger) run eagerly; every other step goes through the
-    compiled graph. Recompiles are bounded by the distinct plan shapes of a policy (full, block, prefix (dynamic
-    length), and with/without a sparse-update hook).
+    finished: torch.Tensor
+    failed_at: torch.Tensor
+    nfe: torch.Tensor
+    evals: torch.Tensor
+    steps: torch.Tensor
+
+    @classmethod
+    def zeros(cls, batch: int, device) -> Totals:
+        z = torch.zeros(batch, dtype=torch.long, device=device)
+        return cls(z.bool(), z - 1, z.clone(), z.clone(), torch.zeros((), dtype=torch.long, device=device))
+
+
+@attrs.define
+class Generation:
+    """Everything one generation's steps read and write: the model, the assembled pipeline, the decode state, the
+    preallocated cache, each stage's per-generation state object and the :class:`Totals`; ``stops [S]`` the stop
+    ids, ``block_cols [bl]`` ``arange(block_length)``."""
+
+    model: DiffusionLM
+    pipeline: Pipeline
+    config: GenerationConfig
+    state: DecodeState
+    cache: DecodeCache
+    refresh_local: object
+    commit_local: object
+    totals: Totals
+    stops: torch.Tensor
+    block_cols: torch.Tensor
+
+    def draw(self) -> None:
+        """Draw this step's random numbers from the generation's generator (outside any compiled region)."""
+        state, g = self.state, self.state.generator
+        gumbel = remask = None
+        B, bl = state.batch_size, state.block_length
+        if self.config.temperature > 0:
+            V = self.model.spec.vocab_size
+            gumbel = torch.rand((B, bl, V), generator=g, dtype=torch.float64, device=g.device).to(state.x.device)
+        if self.pipeline.commit.needs_random:
+            remask = torch.rand((B, bl), generator=g, device=g.device).to(state.x.device, torch.float64)
+        state.random = StepRandom(gumbel, remask)
+
+
+class StepOutput(NamedTuple):
+    """What one step hands back to the loop: ``work [num_blocks]`` bool, per block whether an unfinished row still
+    has masked positions there (the loop's one host read); ``plan``; ``stepped [B]`` rows that decoded;
+    ``masked [B, bl]`` the block's masked positions before the commit; ``confidence [B, bl]`` float64;
+    ``origins``: :class:`CommitOrigins`; ``cost``: the forward's :class:`StepCost` (plain ints)."""
+
+    work: torch.Tensor
+    plan: Plan
+    stepped: torch.Tensor
+    masked: torch.Tensor
+    confidence: torch.Tensor
+    origins: CommitOrigins
+    cost: StepCost
+
+
+def block_work(x: torch.Tensor, finished: torch.Tensor, prompt_len: int, block_length: int, mask_id: int) -> torch.Tensor:
+    """``[num_blocks]`` bool: blocks where an unfinished row of ``x [B, T]`` still has a masked position."""
+    gen = x[:, prompt_len:]
+    B = gen.shape[0]
+    masked = (gen == mask_id).view(B, -1, block_length).any(dim=2)
+    return (masked & ~finished[:, None]).any(dim=0)
+
+
+def decode_step(gen: Generation, block_index: int, block_start: int, block_end: int, step: int,
+                global_step: int) -> StepOutput:
+    """One step of block ``block_index`` (columns ``[block_start, block_end)``), step ``step`` inside it,
+    ``global_step`` over the generation (see the module docstring). Mutates ``gen.state.x``, the cache, the
+    stages' state objects and ``gen.totals`` in place."""
+    state, cache, model, totals = gen.state, gen.cache, gen.model, gen.totals
+    refresh, commit = gen.pipeline.refresh, gen.pipeline.commit
+    state.block_index, state.block_start, state.block_end = block_index, block_start, block_end
+    state.step, state.global_step = step, global_step
+    spec, config = model.spec, gen.config
+    B = state.batch_size
+    plan = refresh.plan(state, cache, gen.refresh_local)
+    hook = refresh.hook(state, plan, cache, model, gen.refresh_local)
+    probe = commit.probe(state, plan) or refresh.probe(state, plan)
+    target = (plan.target_offset + gen.block_cols)[None, :].expand(B, -1)
+    with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
+        logits, probs, packet_logits, cost = block_forward(model, state.x, cache, plan, target, probe, hook)
+        refresh.observe(state, plan, probs, cache, gen.refresh_local)
+    state.packet = None
+    if packet_logits is not None:
+        state.packet = UpdatePacket(hook.head_positions, hook.head_valid, packet_logits)
+    if probs is not None:
+        commit.observe_probe(state, probs, gen.commit_local)
+    stepped = state.active
+    broken = stepped & nonfinite_rows(logits)
+    totals.failed_at.copy_(torch.where(broken, totals.steps, totals.failed_at))
+    totals.finished.logical_or_(broken)
+    state.active = stepped & ~broken  # a row with non-finite logits commits nothing from here on
+    masked = state.block_masked()
+    with scope("commit"):
+        pred = predict(logits, masked, config.temperature, state.random.gumbel, spec.mask_id)
+        chosen = commit.select(pred, masked, state, gen.commit_local)
+        transfer = chosen.commit & masked
+    forced = forced_commits(transfer, masked, pred.confidence)
+    rule_transfer, transfer = transfer, transfer | forced
+    state.last_commits = transfer.sum(dim=1)
+    block_x = state.x[:, block_start:block_end]
+    block_x.copy_(torch.where(transfer, pred.tokens, block_x))
+    extra = commit.suffix(state, gen.commit_local)
+    if extra is not None:
+        keep = state.x.gather(1, extra.positions)
+        state.x.scatter_(1, extra.positions, torch.where(extra.commit, extra.tokens, keep))
+    own = own_slots(plan, cache).sum(dim=-1)
+    totals.evals.add_(own.sum(dim=0) if plan.per_layer else own * spec.n_layers)
+    if hook is not None:
+        totals.evals.add_(hook.evals)
+    totals.nfe.add_(stepped.long())
+    totals.steps.add_(1)
+    P = state.prompt_len
+    if config.stop_at_eos:
+        done, fill = eos_finished(state.x[:, P:], spec.mask_id, gen.stops)
+        gen_x = state.x[:, P:]
+        gen_x.copy_(gen_x.masked_fill(fill, spec.eos_id))
+        totals.finished.logical_or_(done)
+    state.active = ~totals.finished & state.block_masked_any()
+    work = block_work(state.x, totals.finished, P, config.block_length, spec.mask_id)
+    origins = CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra)
+    return StepOutput(work, plan, stepped, masked, pred.confidence, origins, cost)
+
+
+def pipeline_compilable(pipeline: Pipeline) -> bool:
+    """Whether every stage of ``pipeline`` can run inside a compiled step (a stage that cannot, such as the
+    ``cpu`` offloader with its host buffers, declares ``compilable = False``)."""
+    return all(getattr(stage, "compilable", True) for stage in pipeline.stages.values())
+
+
+# the per-step ints: symbolic from the first compile, so a new block or step does not recompile
+_DYNAMIC_INTS = ",".join(f"L['{name}']" for name in ("block_index", "block_start", "block_end", "step", "global_step"))
+
+
+class StepRunner:
+    """Runs :func:`decode_step` eagerly or compiled, and counts how each step ran.
+
+    With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor; CUDA
+    graphs on CUDA); a string names another ``torch.compile`` backend (``"eager"`` checks that the step is captured
+    whole without generating code, as the tests do) unless a stage of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs
+    eagerly and is counted so). Graphs are bounded by the distinct plan shapes and step variants of a policy (a
+    block start, a window refresh, a sparse-update step, a plain step), not by the number of blocks or steps.
+    ``eager_steps`` / ``compiled_steps``: how many steps ran each way.
     """
 
-    def __init__(self, compile: bool, device: torch.device):
-        self.compile = compile
-        self.device = device
+    def __init__(self, compile: bool | str, device: torch.device, pipeline: Pipeline):
+        self.device = torch.device(device)
+        self.compile = bool(compile) and pipeline_compilable(pipeline)
+        self.eager_steps = 0
+        self.compiled_steps = 0
         self._compiled = None
-        self._static: set[int] = set()
-        if compile:
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self._compiled = torch.compile(block_forward, fullgraph=True, dynamic=None, mode=mode)
+        if self.compile:
+            backend = compile if isinstance(compile, str) else "inductor"
+            mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
+            self._compiled = torch.compile(decode_step, fullgraph=True, mode=mode, backend=backend)
 
     def mark_static(self, cache: DecodeCache) -> None:
         """Pin the cache buffers' addresses for CUDA graphs (they are written in place, never reallocated)."""
-        if not self.compile or self.device.type != "cuda" or id(cache) in self._static:
+        if not self.compile or self.device.type != "cuda":
             return
         for t in [*cache.k, *cache.v, *(cache.hidden or [])]:
             torch._dynamo.mark_static_address(t)
-        self._static.add(id(cache))
 
-    def __call__(self, model, x, cache, plan: Plan, target_slots, probe, hook):
-        fn = block_forward
-        if self._compiled is not None and getattr(hook, "compilable", True):
-            fn = self._compiled
-        return fn(model, x, cache, plan.index, plan.valid, target_slots, probe, hook)
+    def __call__(self, gen: Generation, block_index: int, block_start: int, block_end: int, step: int,
+                 global_step: int) -> StepOutput:
+        gen.draw()
+        args = (gen, block_index, block_start, block_end, step, global_step)
+        if self._compiled is None:
+            self.eager_steps += 1
+            return decode_step(*args)
+        self.compiled_steps += 1
+        with _compile_settings():
+            return self._compiled(*args)
+
+
+@contextlib.contextmanager
+def _compile_settings():
+    """Symbolic step ints (:data:`_DYNAMIC_INTS`), everything else static: a stage option (a float threshold, an
+    int top-k) that differs between two policies must not turn into a graph input read back with ``.item()``."""
+    dynamo = torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False, specialize_float=True)
+    with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_INTS), dynamo:
+        yield

@@ -23,11 +23,15 @@ class SideStream:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending = False
 
-    @contextlib.contextmanager
     def run(self, *inputs: torch.Tensor):
-        if self.stream is None:
-            yield
-            return
+        """Issue the enclosed work on the side stream (a no-op on CPU and inside a compiled step, where the
+        graph itself orders the work)."""
+        if self.stream is None or torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return self._run(*inputs)
+
+    @contextlib.contextmanager
+    def _run(self, *inputs: torch.Tensor):
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         for t in inputs:
@@ -37,7 +41,7 @@ class SideStream:
         self._pending = True
 
     def join(self, *outputs: torch.Tensor) -> None:
-        if self.stream is None or not self._pending:
+        if self.stream is None or torch.compiler.is_compiling() or not self._pending:
             return
         main = torch.cuda.current_stream(self.device)
         main.wait_stream(self.stream)

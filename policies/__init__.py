@@ -14,7 +14,7 @@ from . import (  # noqa: F401  (registration side effects)
     refresh_polestar,
 )
 
-_DRIFT_STAGES = {"drift": "kl", "cluster": "kmeans", "quant": "nvfp4", "offload": "none"}
+_DRIFT_STAGES = {"drift": "kl", "cluster": "kmeans", "quant": "none", "offload": "none"}
 
 # name, refresh, commit, extra stages, description
 _POLICIES = [

@@ -52,29 +52,29 @@ class PolestarCommit(CommitRule):
         return PolestarCommitState()
 
     def begin_block(self, local: PolestarCommitState, state: DecodeState) -> None:
-        local.attn = local.hist = local.delta = None
-        local.count = 0
+        B, bl = state.batch_size, state.block_length
+        local.attn = local.delta = None
+        local.hist = torch.zeros(B, self.config.window, bl, device=state.x.device)
+        local.count = torch.zeros((), dtype=torch.long, device=state.x.device)
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe:
         rows = plan.target_offset + torch.arange(state.block_length, device=state.x.device)
         return AttentionProbe(state.n_layers - 1, rows[None, :].expand(state.batch_size, -1))
 
     def observe_probe(self, state: DecodeState, probs: torch.Tensor, local: PolestarCommitState) -> None:
-        """Turn this step's attention rows ``[B, H, bl, T+1]`` into drift deltas ``local.delta [B, bl]``."""
+        """Turn this step's attention rows ``[B, H, bl, T+1]`` into drift deltas ``local.delta [B, bl]``: the drift
+        minus the mean of the (at most ``window``) drifts before it in this block, the drift itself when there are
+        none. ``hist`` keeps the last ``window`` drifts newest first, zeros where none was seen yet, so its sum over
+        the seen ones divided by their count is the mean, with no branch on the count."""
         prev, local.attn = local.attn, probs
         if prev is None:
             local.delta = None
             return
-        drift = self.drift.score(probs, prev)  # [B, bl]
-        if local.count == 0:
-            delta = drift
-        else:
-            n = min(local.count, self.config.window)
-            delta = drift - local.hist[:, :n].mean(dim=1)
-        w = self.config.window
-        local.hist = drift[:, None] if local.hist is None else torch.cat([drift[:, None], local.hist], dim=1)[:, :w]
-        local.count += 1
-        local.delta = delta
+        drift = self.drift.score(probs, prev).to(local.hist.dtype)  # [B, bl]
+        seen = local.count.clamp(max=self.config.window)
+        local.delta = drift - local.hist.sum(dim=1) / seen.clamp_min(1)
+        local.hist = torch.cat([drift[:, None], local.hist[:, :-1]], dim=1)
+        local.count = local.count + 1
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState,
                local: PolestarCommitState) -> CommitSelection:
@@ -107,13 +107,13 @@ class PolestarCommit(CommitRule):
 @attrs.define
 class PolestarCommitState:
     """Per-generation state of :class:`PolestarCommit`, reset at each block start: ``attn`` the previous step's
-    attention rows ``[B, H, bl, T+1]``, ``hist`` the last ``window`` drifts ``[B, <=window, bl]`` (newest first),
-    ``count`` drifts seen in this block, ``delta`` this step's drift delta ``[B, bl]`` (None at a block's first
-    step)."""
+    attention rows ``[B, H, bl, T+1]``, ``hist`` the last ``window`` drifts ``[B, window, bl]`` (newest first,
+    zeros where no drift was seen yet), ``count`` a long scalar tensor, drifts seen in this block, ``delta`` this
+    step's drift delta ``[B, bl]`` (None at a block's first step)."""
 
     attn: torch.Tensor | None = None
     hist: torch.Tensor | None = None
-    count: int = 0
+    count: torch.Tensor | None = None
     delta: torch.Tensor | None = None
 
 

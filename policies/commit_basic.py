@@ -23,8 +23,7 @@ def _low_confidence(pred: Prediction, state: DecodeState) -> torch.Tensor:
 
 
 def _random(pred: Prediction, state: DecodeState) -> torch.Tensor:
-    scores = torch.rand(pred.confidence.shape, generator=state.generator, device=state.generator.device)
-    return scores.to(pred.confidence.device, torch.float64)
+    return state.random.remask  # drawn before the step from the generation's generator
 
 
 _REMASKING = {"low_confidence": _low_confidence, "random": _random}
@@ -40,11 +39,16 @@ class TopKCommit(CommitRule):
     class Config:
         remasking: str = attrs.field(default="low_confidence", validator=v.in_(tuple(_REMASKING)))
 
+    @property
+    def needs_random(self) -> bool:
+        return self.config.remasking == "random"
+
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         scores = _REMASKING[self.config.remasking](pred, state).masked_fill(~masked, float("-inf"))
         steps = state.num_transfer.shape[1]
-        k = state.num_transfer[:, min(state.step, steps - 1)]
-        return CommitSelection(rank_descending(scores) < k[:, None])
+        column = torch.full((state.batch_size, 1), min(state.step, steps - 1), device=masked.device)
+        k = state.num_transfer.gather(1, column)  # a gather, not an int index: the step stays symbolic
+        return CommitSelection(rank_descending(scores) < k)
 
 
 def _threshold_validator(_inst, attribute, value):

@@ -93,10 +93,10 @@ class ElasticRefresh(RefreshSelector):
         return block_plan(state)
 
     def hook(self, state, plan, cache, model, local: ElasticState):
-        if not local.tracked:  # the block start's full forward picks the tracked keys (cleared by ``begin_block``)
+        if state.at_block_start:  # the block start's full forward picks the tracked keys
             return _ElasticBuild(self, state, cache, model, local, plan.target_offset)
         strategy = _ElasticMembers(self, state, cache, model, local, plan.target_offset)
-        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device, compilable=False)
+        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
 
 
 @attrs.define
@@ -111,8 +111,6 @@ class ElasticState:
 class _ElasticBuild(LayerHook):
     """Block start (full plan: slot == position): at each layer pick the tracked keys from the block's attention
     mass and record their attention rows, all from the layer's own q pass."""
-
-    compilable = False
 
     def __init__(self, sel, state: DecodeState, cache: DecodeCache, model, local: ElasticState, block_slots: int):
         self.sel, self.state, self.cache, self.model, self.local = sel, state, cache, model, local
@@ -140,15 +138,21 @@ def _most_attended(model, cache: DecodeCache, layer: int, qkv: LayerQKV, block_s
 
 class _ElasticMembers(_CandidateStrategy):
     """Elastic-Cache's member choice: every candidate of a row, from the layer where its tracked keys' attention
-    drifted past ``gamma`` upward. Query-only rows: the tracked keys (and, once some row triggered, every
-    candidate's current input, whose K/V are re-projected for the triggered rows)."""
+    drifted past ``gamma`` upward.
+
+    Fixed shape, decided in the graph per row: at every layer every candidate rides along the layer's q/k/v pass
+    with its current input (the previous layer's output where its row has triggered, else its stored input;
+    its K/V are rewritten only where its input changed) and goes through attention and the MLP as a member, valid
+    only in rows that have triggered at this layer or below. The tracked keys' queries ride along as query-only
+    rows. So a row's trigger needs no host read and no second q pass, and the counters count every candidate row
+    at every layer: the price of deciding on the device what the method decides per layer.
+    """
 
     def __init__(self, sel, state, cache, model, local: ElasticState, block_slots: int):
         cand, valid = _outside_block(state, cache, 0)
         super().__init__(state, cache, model, cand, valid)
         self.sel, self.local, self.block_slots = sel, local, block_slots
         self.triggered = torch.zeros(state.batch_size, dtype=torch.bool, device=state.x.device)
-        self.n_cand = 0
 
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
                    meter) -> ExtraRows:
@@ -156,36 +160,27 @@ class _ElasticMembers(_CandidateStrategy):
         t_in = self.store.read(layer, tracked)
         t_pos = self.cache.positions.gather(1, tracked)
         probes = ExtraRows(t_in, t_pos, torch.full_like(tracked, self.cache.trash))
-        self.n_cand = 0
-        if packet is None:
-            return probes
-        # rows triggered below: every candidate's new input re-projects its K/V; the others' rows give queries
-        self.n_cand = self.cand.shape[1]
-        kv_index = torch.where(self.triggered[:, None] & self.cand_valid, self.cand, self.cache.trash)
+        # rows triggered below this layer have new inputs (the packet, already stored): their K/V are re-projected
+        changed = self.triggered[:, None] & self.cand_valid
+        kv_index = torch.where(changed, self.cand, self.cache.trash)
         self.cand_inputs = self.candidate_inputs(layer, meter)
         cand = ExtraRows(self.cand_inputs, self.cand_pos, kv_index)
         return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(cand, probes)))
 
-    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
+    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection:
         cache, local, model = self.cache, self.local, self.model
-        C, n = qkv.n_plan, self.n_cand
+        C, n = qkv.n_plan, self.cand.shape[1]
         q_tracked = qkv.q[:, :, C + n :]
         now = model.attention_probs(q_tracked, cache.k[layer], cache.key_valid, qkv.meter)
-        prev = local.prev.get(layer)
-        if prev is not None:
-            sim = F.cosine_similarity(now.flatten(2), prev.flatten(2), dim=-1).mean(dim=1)  # [B]
-            self.triggered |= (sim < self.sel.config.gamma) & self.state.active
+        prev = local.prev[layer]
+        sim = F.cosine_similarity(now.flatten(2), prev.flatten(2), dim=-1).mean(dim=1)  # [B]
+        self.triggered = self.triggered | ((sim < self.sel.config.gamma) & self.state.active)
         local.prev[layer] = now
         local.tracked[layer] = _most_attended(model, cache, layer, qkv, self.block_slots, self.state.block_length,
                                               self.sel.config.track_num)
-        # a row triggered here is recomputed from this layer upward, whatever the other rows do. Host read per
-        # layer until some row triggers (skips the recompute while none has); the hook is not compilable for it
-        if packet is None and not bool(self.triggered.any()):
-            return None
+        # a row triggered here or below is recomputed from this layer upward, whatever the other rows do
         valid = self.triggered[:, None] & self.cand_valid
         rows = torch.where(valid, self.cand, self.trash)
-        if packet is None:  # the first trigger: the members' queries need a q pass of their own
-            return Selection(rows, valid, None, self.candidate_inputs(layer, qkv.meter))
         return Selection(rows, valid, qkv.q[:, :, C : C + n], self.cand_inputs)  # the inputs read for this pass
 
 

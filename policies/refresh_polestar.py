@@ -32,6 +32,7 @@ from attrs import validators as v
 
 from polestar.kernels.kmeans import init_keys
 from polestar.models.backbone import ExtraRows, LayerQKV
+from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
 from polestar.registry import register
@@ -44,12 +45,20 @@ from .row_store import RowStore
 from .sparse_update import MemberStrategy, Packet, Selection, SparseUpdate, Window, make_window, to_capacity
 
 
+def window_parts(window: Window, n_clusters: int) -> list[tuple[int, int, int]]:
+    """``(lo, hi, k)``: column range and cluster count of the window's prefix and suffix parts (empty parts
+    dropped)."""
+    n_pre = window.n_prefix
+    k_pre, k_post = split_clusters(n_clusters, n_pre, window.size - n_pre)
+    return [(lo, hi, k) for lo, hi, k in ((0, n_pre, k_pre), (n_pre, window.size, k_post)) if k > 0]
+
+
 def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
     """Clusters for the prefix and suffix parts, proportional to their lengths (authors' rule), each ≤ its size."""
     if n_pre == 0:
         return 0, min(total, n_post)
-    if n_post == 0:
-        return min(total, n_pre), 0
+    if n_post == 0:  # the authors cap the prefix at total - 1 clusters even when the suffix is empty
+        return min(max(1, total - 1), n_pre), 0
     k_pre = min(total - 1, max(1, total * n_pre // (n_pre + n_post)))
     return min(k_pre, n_pre), min(total - k_pre, n_post)
 
@@ -87,9 +96,10 @@ class PolestarRefresh(RefreshSelector):
         tau_upd: int = attrs.field(default=1, validator=v.ge(0))
         window_refresh_every: int = attrs.field(default=4, validator=v.ge(0))
         capacity: float = attrs.field(default=1.5, validator=v.gt(0.0))
+        proxy_rope: bool = attrs.field(default=False, validator=v.instance_of(bool))
 
     needs_hidden = False
-    requires = {"drift": "kl", "cluster": "kmeans", "quant": "nvfp4", "offload": "none"}
+    requires = {"drift": "kl", "cluster": "kmeans", "quant": "none", "offload": "none"}
 
     def bind(self, stages: dict) -> None:
         self.drift, self.clusterer = stages["drift"], stages["cluster"]
@@ -100,10 +110,26 @@ class PolestarRefresh(RefreshSelector):
         return PolestarRefreshState(SideStream(state.x.device))
 
     def begin_block(self, local: PolestarRefreshState, state: DecodeState) -> None:
-        local.window = local.store = local.qstore = None
         local.since = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
         for clusters in local.per_layer():
             clusters.clear()
+
+    def allocate(self, local: PolestarRefreshState, state: DecodeState, cache: DecodeCache, model) -> None:
+        """The block's window, its stores (allocated once per window size, reused) and the k-means seeds, drawn
+        from the generation's generator in a fixed (layer, part) order, one key row shared by the batch."""
+        bl = state.block_length
+        local.window = make_window(state.block_start, state.block_end, state.logit_shift,
+                                   self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
+        local.store = local.qstore = None
+        local.keys = []
+        if local.window.size == 0:
+            return
+        local.store, local.qstore = local.stores_for(self, state, model)
+        B = state.batch_size
+        if self.clusterer.needs_keys:
+            parts = window_parts(local.window, self.config.n_clusters)
+            local.keys = [[init_keys(1, hi - lo, state.generator, state.x.device).expand(B, -1)
+                           for lo, hi, _k in parts] for _ in range(model.spec.n_layers)]
 
     # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, state: DecodeState, cache: DecodeCache, local: PolestarRefreshState) -> Plan:
@@ -119,28 +145,20 @@ class PolestarRefresh(RefreshSelector):
         return block_start_plan(state)
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: PolestarRefreshState):
-        if local.window is None:  # the block's first forward (``begin_block`` cleared the window): build
-            bl = state.block_length
-            local.window = make_window(state.block_start, state.block_end, state.logit_shift,
-                                       self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
-            if local.window.size == 0:
-                return None
-            local.store, local.qstore = local.stores_for(self, state, model)
+        if local.window.size == 0:
+            return None
+        if state.at_block_start:  # the block's first forward: cluster and store the window at every layer
             plan_start = state.block_start - state.logit_shift - plan.target_offset
             return _BuildHook(self, state, plan_start, cache, model, local)
-        if local.window.size == 0 or not local.centroids:
-            return None
         # the block start's side-stream work (storing the window) must finish before this step reads the stores
         local.side.join()
         last = state.last_commits
         tau = self.config.tau_upd
+        # rows due for an update; the others take part with no member (fixed shape, no host read)
         due = state.active & ((last > tau) | (local.since + last > tau + 1))
         local.since = torch.where(due, 0, local.since + last)
-        if not bool(due.any()):  # one host read per step, skipping the sparse update entirely when no row is due
-            return None
         strategy = _PolestarMembers(self, state, cache, model, local, due)
-        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device,
-                            compilable=getattr(self.offload, "compilable", True))
+        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
 
     def capacities(self, window: int, n_layers: int) -> list[int]:
         """Member-buffer rows per layer (:func:`member_capacity`; ``topk_last`` at the last layer)."""
@@ -154,8 +172,8 @@ class PolestarRefreshState:
     """Per-generation state of :class:`PolestarRefresh`; everything but ``side`` and the store buffers is reset at
     each block start.
 
-    ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window` (None until the
-    block's first forward); ``store``: the window's stored layer inputs and ``qstore`` their queries
+    ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: per
+    layer and window part the k-means seeds ``[B, n]`` drawn for this block; ``store``: the window's stored layer inputs and ``qstore`` their queries
     (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
     ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; per layer ``l``:
     ``centroids[l] [B, K, d]``, ``labels[l] [B, Nw]`` (-1 invalid), ``counts[l] [B, K]``,
@@ -164,6 +182,7 @@ class PolestarRefreshState:
 
     side: SideStream
     window: Window | None = None
+    keys: list = attrs.field(factory=list)
     store: RowStore | None = None
     qstore: RowStore | None = None
     buffers: dict = attrs.field(factory=dict)
@@ -189,19 +208,31 @@ class PolestarRefreshState:
         return self.buffers[n]
 
 
+def proxy_keys(sel: PolestarRefresh, model, cache: DecodeCache, layer: int, rope: tuple | None) -> torch.Tensor:
+    """The keys centroid queries are scored against at ``layer``: the cached (rotated) keys with ``proxy_rope``,
+    else the keys with their rotary embedding undone (``rope``: cos, sin ``[B, 1, T + 1, hd]`` of the cache
+    positions), as the authors' released code scores un-rotated centroid queries against un-rotated keys."""
+    if sel.config.proxy_rope:
+        return cache.k[layer]
+    cos, sin = rope
+    return Rotary.apply(cache.k[layer], cos, -sin)
+
+
+def proxy_rope_tables(sel: PolestarRefresh, model, cache: DecodeCache) -> tuple | None:
+    """cos, sin of the cache positions for :func:`proxy_keys` (None with ``proxy_rope``)."""
+    return None if sel.config.proxy_rope else model.rotary.cos_sin(cache.positions)
+
+
 class _BuildHook(LayerHook):
     """Block start: at each layer of the forward, cluster the window's inputs, store them (residuals to their
     centroid) and their queries, and record the centroids' proxy distributions.
 
     The centroids ride along the layer's q pass as query-only rows (:meth:`extra_rows`); after the layer's K/V
     writes, their attention over the keys becomes ``prev`` and the window rows' queries go to the query store
-    (:meth:`members`). The clusterer's random initial keys are drawn when the hook is made, in a fixed (layer,
-    part) order, one key row shared by the batch. Not compilable: compiling k-means (torch 2.13, CPU inductor)
-    unrolled its iterations into a ~10k-line kernel that took 20 minutes to build and then failed at run time in
-    the stable sort of the reseed step; a block start runs eagerly.
+    (:meth:`members`). The clusterer's random initial keys are drawn at the block start in a fixed (layer,
+    part) order, one key row shared by the batch, before the step (:meth:`PolestarRefresh.allocate`), so the
+    whole block start runs inside the compiled step.
     """
-
-    compilable = False
 
     def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, local: PolestarRefreshState):
         self.sel, self.state, self.cache, self.model, self.local = sel, state, cache, model, local
@@ -209,30 +240,45 @@ class _BuildHook(LayerHook):
         B = state.batch_size
         self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
         self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
-        n_pre = window.n_prefix
-        k_pre, k_post = split_clusters(sel.config.n_clusters, n_pre, window.size - n_pre)
-        # (lo, hi, k) column range and cluster count of the prefix and suffix parts; empty parts dropped
-        self.parts = [(lo, hi, k) for lo, hi, k in ((0, n_pre, k_pre), (n_pre, window.size, k_post)) if k > 0]
-        # keys[layer][part] [B, n]: one key row shared by the batch, so a row's keys do not depend on the batch
-        self.keys = [[None] * len(self.parts) for _ in range(model.spec.n_layers)]
-        if sel.clusterer.needs_keys:
-            for per_layer in self.keys:
-                for i, (lo, hi, _k) in enumerate(self.parts):
-                    per_layer[i] = init_keys(1, hi - lo, state.generator, state.x.device).expand(B, -1)
+        self.parts = window_parts(window, sel.config.n_clusters)
+        self.keys = local.keys or [[None] * len(self.parts) for _ in range(model.spec.n_layers)]
         self.rope_pos = cache.positions.index_select(1, window.positions)
+        self.rope = proxy_rope_tables(sel, model, cache)
 
     def _cluster(self, layer: int, hw: torch.Tensor):
         """``hw [B, Nw, d]`` → ``centroids [B, K, d]``, ``labels [B, Nw]`` (window-wide cluster ids, -1 invalid),
-        ``counts [B, K]``; the prefix and suffix parts are clustered separately."""
+        ``counts [B, K]``. The prefix and suffix parts are clustered separately, in one clusterer call: each part is
+        a group of its own, padded to the longer part (padding invalid) with the clusters it lacks disabled."""
         valid = self.local.window.valid
-        out, offset = [], 0
-        for (lo, hi, k), keys in zip(self.parts, self.keys[layer]):
-            with scope("cluster"):
-                c, lab, cnt = self.sel.clusterer.cluster(hw[:, lo:hi].float(), k, valid[:, lo:hi], None, keys)
-            out.append((c, torch.where(lab >= 0, lab + offset, -1), cnt))
+        parts, keys = self.parts, self.keys[layer]
+        B, _, d = hw.shape
+        n_max = max(hi - lo for lo, hi, _k in parts)
+        k_max = max(k for _lo, _hi, k in parts)
+
+        def padded(t: torch.Tensor, lo: int, hi: int, fill) -> torch.Tensor:
+            pad = n_max - (hi - lo)
+            part = t[:, lo:hi]
+            if pad == 0:
+                return part
+            return torch.cat([part, part.new_full((B, pad, *part.shape[2:]), fill)], dim=1)
+
+        x = torch.cat([padded(hw.float(), lo, hi, 0.0) for lo, hi, _k in parts])
+        ok = torch.cat([padded(valid, lo, hi, False) for lo, hi, _k in parts])
+        seeds = None
+        if keys[0] is not None:
+            seeds = torch.cat([padded(key, 0, hi - lo, -1.0) for key, (lo, hi, _k) in zip(keys, parts)])
+        k_valid = torch.cat([(torch.arange(k_max, device=hw.device) < k).expand(B, -1) for _lo, _hi, k in parts])
+        with scope("cluster"):
+            c, lab, cnt = self.sel.clusterer.cluster(x, k_max, ok, None, seeds, k_valid=k_valid)
+        centroids, labels, counts, offset = [], [], [], 0
+        for i, (lo, hi, k) in enumerate(parts):
+            rows = slice(i * B, (i + 1) * B)
+            centroids.append(c[rows, :k])
+            counts.append(cnt[rows, :k])
+            part_labels = lab[rows, : hi - lo]
+            labels.append(torch.where(part_labels >= 0, part_labels + offset, -1))
             offset += k
-        return (torch.cat([p[0] for p in out], dim=1).to(hw.dtype), torch.cat([p[1] for p in out], dim=1),
-                torch.cat([p[2] for p in out], dim=1))
+        return torch.cat(centroids, dim=1).to(hw.dtype), torch.cat(labels, dim=1), torch.cat(counts, dim=1)
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows:
         local = self.local
@@ -241,6 +287,8 @@ class _BuildHook(LayerHook):
         k_total = centroids.shape[1]
         onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_total).float() * (labels >= 0)[..., None].float()
         centroid_pos = (torch.einsum("bnk,bn->bk", onehot, self.rope_pos.float()) / counts.clamp_min(1)).round().long()
+        if not self.sel.config.proxy_rope:  # rotary at position 0 is the identity: un-rotated centroid queries
+            centroid_pos = torch.zeros_like(centroid_pos)
         anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, hw.shape[-1]))
         with local.side.run(hw, anchor), scope("store"):
             local.store.write_all(layer, hw, anchor)
@@ -257,7 +305,8 @@ class _BuildHook(LayerHook):
         with local.side.run(q_window), scope("store"):
             local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            local.prev.append(self.model.attention_probs(qkv.q[:, :, C:], self.cache.k[layer], self.cache.key_valid,
+            keys = proxy_keys(self.sel, self.model, self.cache, layer, self.rope)
+            local.prev.append(self.model.attention_probs(qkv.q[:, :, C:], keys, self.cache.key_valid,
                                                          qkv.meter))
         return None
 
@@ -280,6 +329,7 @@ class _PolestarMembers(MemberStrategy):
         self.wants_head = sel.packet_logits
         self.x = state.x
         self.n_kv = 0
+        self.rope = proxy_rope_tables(sel, model, cache)
 
     def slots(self, rows: torch.Tensor) -> torch.Tensor:
         return self.row_slot[rows]
@@ -314,7 +364,8 @@ class _PolestarMembers(MemberStrategy):
             with scope("store"):
                 local.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            cur = model.attention_probs(q_extra[:, :, self.n_kv:], self.cache.k[layer], self.cache.key_valid,
+            keys = proxy_keys(sel, model, self.cache, layer, self.rope)
+            cur = model.attention_probs(q_extra[:, :, self.n_kv:], keys, self.cache.key_valid,
                                         qkv.meter)
         with scope("drift"):
             drift = sel.drift.score(cur, local.prev[layer])
