@@ -63,10 +63,15 @@ def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
     return min(k_pre, n_pre), min(total - k_pre, n_post)
 
 
+#: drifts are ranked on a grid of this step: differences below it are rounding noise (they change with the
+#: batch's matmul shapes and with a compiler's fusion), and a tie goes to the lower cluster index
+DRIFT_RESOLUTION = 2.0**-20
+
+
 def cluster_ranks(drift: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rank of each cluster by drift, 0 = most drifting, empty clusters last: ``drift, counts [B, K]`` → long
-    ``[B, K]``. Ties go to the lower cluster index."""
-    scores = drift.float().masked_fill(counts == 0, float("-inf"))
+    ``[B, K]``. Drifts are compared on a grid of :data:`DRIFT_RESOLUTION`; ties go to the lower cluster index."""
+    scores = torch.round(drift.float() / DRIFT_RESOLUTION).masked_fill(counts == 0, float("-inf"))
     return scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
 
 

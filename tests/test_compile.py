@@ -25,13 +25,22 @@ def test_compiled_generation_matches_eager_without_graph_breaks(small_model):
         eager = polestar.generate(small_model, PROMPTS, policy=policy, **kw)
         compiled = polestar.generate(small_model, PROMPTS, policy=policy, compile=True, **kw)
         assert compiled.tokens.tolist() == eager.tokens.tolist(), policy
-        # the cost counters come out of the compiled step as they do eagerly
+        # the cost counters come out of the compiled step as they do eagerly. Inductor fuses and reorders float
+        # ops, so hidden states differ from eager in the last bits; Polestar's k-means can then put a near-tie
+        # point in another cluster, and its members (their count) differ by a few rows. The exact equality of
+        # every counter is pinned with dynamo's capture alone in tests/test_step_capture.py.
         counted = ("token_layer_evals", "proxy_query_evals", "weight_bytes", "kv_bytes")
         assert [getattr(compiled.stats, c) for c in counted] == [getattr(eager.stats, c) for c in counted], policy
-        assert compiled.stats.sequences == eager.stats.sequences, policy
+        assert [s.nfe for s in compiled.stats.sequences] == [s.nfe for s in eager.stats.sequences], policy
+        own = [(s.token_layer_evals, e.token_layer_evals) for s, e in zip(compiled.stats.sequences,
+                                                                       eager.stats.sequences)]
+        if policy == "polestar":
+            assert all(abs(c - e) <= 0.02 * e for c, e in own), own
+        else:
+            assert all(c == e for c, e in own), (policy, own)
     assert dict(counters["graph_break"]) == {}
-    # full plan, block plan, block plan with the sparse-update hook (+ at most one dynamic-shape recompile each;
-    # Polestar's block start clusters inside its forward and runs eagerly)
+    # one graph per step variant (block start, window refresh, sparse-update step, last block, ...), block starts
+    # included: the step ints are symbolic, so new blocks and steps replay graphs
     assert 1 <= counters["stats"]["unique_graphs"] <= 12
     # a second generation reuses the graphs
     before = counters["stats"]["unique_graphs"]
