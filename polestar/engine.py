@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import attrs
 import torch
 
 from polestar.models.backbone import DiffusionLM
@@ -51,6 +52,7 @@ def decode(
     gen = start_generation(model, prompt_ids, attention_mask, pipeline, config, stop_ids)
     runner = runner if runner is not None else StepRunner(compile, prompt_ids.device, pipeline)
     runner.mark_static(gen.cache)
+    compiled_before = runner.compiled_steps
     meter = _RunMeter()
     start_time = time.perf_counter()
     work = block_work(gen.state.x, gen.totals.finished, gen.state.prompt_len, config.block_length,
@@ -76,7 +78,8 @@ def decode(
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     wall = time.perf_counter() - start_time
-    return gen.state.x, finish_stats(gen, meter, global_step, wall)
+    stats = attrs.evolve(finish_stats(gen, meter, global_step, wall), compiled_steps=runner.compiled_steps - compiled_before)
+    return gen.state.x, stats
 
 
 def start_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, pipeline: Pipeline,

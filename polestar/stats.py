@@ -36,7 +36,8 @@ class RunStats:
     weight once; embedding lookups read their rows; the LM head once per call); ``kv_bytes``: bytes of cached K/V
     read by attention (proxy attention reads K only); ``sequences``: per-sequence :class:`SequenceStats`;
     ``compile_s``: seconds spent compiling (``torch.compile``) during the run, excluded from ``wall_s`` and so
-    from ``tps``."""
+    from ``tps``; ``compiled_steps``: steps that ran as one compiled graph (one CUDA-graph replay on CUDA), the
+    other ``nfe - compiled_steps`` ran eagerly."""
 
     nfe: int
     tokens: int
@@ -47,6 +48,7 @@ class RunStats:
     weight_bytes: int = 0
     kv_bytes: int = 0
     proxy_query_evals: int = 0
+    compiled_steps: int = 0
 
     @property
     def errors(self) -> list[tuple[int, str]]:
@@ -62,6 +64,7 @@ class RunStats:
             sequences=tuple(s for r in runs for s in r.sequences), compile_s=sum(r.compile_s for r in runs),
             weight_bytes=sum(r.weight_bytes for r in runs), kv_bytes=sum(r.kv_bytes for r in runs),
             proxy_query_evals=sum(r.proxy_query_evals for r in runs),
+            compiled_steps=sum(r.compiled_steps for r in runs),
         )
 
     @property

@@ -44,6 +44,7 @@ def test_one_host_read_per_step_and_every_step_captured(small_model, policy):
     _decode(small_model, policy, "eager")  # trace every step variant once
     tokens, stats, runner, reads = _decode(small_model, policy, "eager")
     assert runner.eager_steps == 0 and runner.compiled_steps == stats.nfe > 0
+    assert stats.compiled_steps == stats.nfe and eager_stats.compiled_steps == 0
     assert len(reads) == stats.nfe + 2, reads
     assert tokens.tolist() == eager_tokens.tolist()
     assert [getattr(stats, c) for c in COUNTERS] == [getattr(eager_stats, c) for c in COUNTERS]

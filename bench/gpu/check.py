@@ -37,7 +37,7 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 LOAD_BOUND = 1.05
 #: --tiny: a narrow LLaDA (the published config with these keys replaced)
 TINY_WIDTH = {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 128}
-POLICIES = ("baseline", "fast-dllm", "polestar")
+POLICIES = ("baseline", "fast-dllm", "elastic-cache", "polestar")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,10 +131,11 @@ def policy_rows(model, args, device: torch.device) -> list[dict]:
                 out = polestar.generate(model, prompts, **kw)
                 s = out.stats
                 rows.append({"policy": policy, "batch": batch, "mode": mode, "ms_per_step": 1e3 * s.wall_s / s.nfe,
-                             "tps": batch * args.gen / s.wall_s, "nfe": s.nfe, "peak_gb": peak_memory(device) / 1e9})
+                             "tps": batch * args.gen / s.wall_s, "nfe": s.nfe, "peak_gb": peak_memory(device) / 1e9,
+                             "eager_steps": s.nfe - s.compiled_steps, "graph_replays": s.compiled_steps})
                 r = rows[-1]
                 print(f"{policy:10s} {batch:5d} {mode:>9s} {r['ms_per_step']:9.2f} {r['tps']:9.1f} {r['nfe']:5d} "
-                      f"{r['peak_gb']:8.2f}", flush=True)
+                      f"{r['peak_gb']:8.2f} {r['eager_steps']:6d} {r['graph_replays']:7d}", flush=True)
     return rows
 
 
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             forwards.append({"batch": batch, "forward_ms": 1e3 * t, "bound_ms": 1e3 * bound if bound else None})
             tail = f"bound {1e3 * bound:.2f} ms ({t / bound:.2f}x)" if bound else "bound n/a (no HBM figure)"
             print(f"# forward batch {batch}: {1e3 * t:.2f} ms, {tail}", flush=True)
-        print(f"{'policy':10s} {'batch':>5s} {'mode':>9s} {'ms/step':>9s} {'TPS':>9s} {'nfe':>5s} {'peak GB':>8s}")
+        print(f"{'policy':10s} {'batch':>5s} {'mode':>9s} {'ms/step':>9s} {'TPS':>9s} {'nfe':>5s} {'peak GB':>8s} "
+              f"{'eager':>6s} {'replays':>7s}")
         rows = policy_rows(model, args, device)
         print("\n# kernels: triton vs reference (ms)")
         kernels = kernel_rows(args, device)
