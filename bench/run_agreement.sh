@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Token agreement of the lossy Polestar-Cache stages (issue 4): decode the same problems with quant=none,
+# Token agreement of the lossy Polestar-Cache stages: decode the same problems with quant=none,
 # offload=none and with quant=nvfp4, offload=cpu, then compare them token by token with `polestar agree`.
 # Usage: bash bench/run_agreement.sh [N]   (MODELS="tiny-llada" to run one checkpoint, TASKS="arith")
 set -euo pipefail
@@ -7,7 +7,7 @@ N=${1:-200}
 OUT=docs/results          # the comparison tables (committed)
 RAW=${RAW:-runs/agree}    # the two runs' JSON (large; not committed)
 mkdir -p "$OUT" "$RAW"
-for model in ${MODELS:-tiny-llada tiny-dream}; do
+for model in ${MODELS:-tiny-llada tiny-dream tiny-llada-noisy tiny-dream-noisy}; do
   for task in ${TASKS:-arith sudoku}; do
     raw="$RAW/$model-$task"
     common=(--model "$model" --task "$task" --policies polestar-cache,polestar --n "$N" --batch-size 50

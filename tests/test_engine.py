@@ -105,11 +105,11 @@ def test_registry_and_policy_errors_list_names(model):
 
 def test_optional_overrides_swap_and_set_only_where_a_stage_applies():
     # regression: `polestar bench --set quant=none` passes "quant?" and the swap used to be dropped silently
-    pipe = polestar.assemble("polestar-cache", {"quant?": "none", "offload?": "cpu", "refresh.topk?": 8})
-    assert type(pipe.stages["quant"]).__name__ == type(polestar.assemble("polestar-cache", {"quant": "none"})
+    pipe = polestar.assemble("polestar-cache", {"quant?": "nvfp4", "offload?": "cpu", "refresh.topk?": 8})
+    assert type(pipe.stages["quant"]).__name__ == type(polestar.assemble("polestar-cache", {"quant": "nvfp4"})
                                                        .stages["quant"]).__name__
     assert pipe.stages["quant"] is not None and pipe.stages["refresh"].config.topk == 8
-    exact = polestar.assemble("polestar-cache", {"quant": "none", "offload": "cpu"})
+    exact = polestar.assemble("polestar-cache", {"quant": "nvfp4", "offload": "cpu"})
     assert {k: type(v) for k, v in pipe.stages.items()} == {k: type(v) for k, v in exact.stages.items()}
     default = polestar.assemble("polestar-cache")
     assert type(default.stages["quant"]) is not type(pipe.stages["quant"])

@@ -27,7 +27,7 @@ def _gen(m, policy, **kw):
 def test_split_clusters_matches_paper():
     assert split_clusters(8, 64, 32) == (5, 3)
     assert split_clusters(8, 0, 32) == (0, 8)
-    assert split_clusters(8, 20, 0) == (8, 0)
+    assert split_clusters(8, 20, 0) == (7, 0)  # no suffix (the last block): the authors' cap of total - 1
     assert split_clusters(8, 3, 32) == (1, 7)
     assert split_clusters(8, 2, 2) == (2, 2)
 

@@ -60,8 +60,9 @@ def test_polestar_cache_counters_equal_the_hand_count(llada):
     s = _run(llada, "polestar-cache", **POLESTAR)
     assert s.nfe == G
     # block 0: window = 8 prefix columns (3 of them before column 0, invalid) + 8 suffix; 2 + 2 clusters
-    # block 1: window = 8 prefix columns, no suffix (end of the sequence); 4 clusters
-    blocks = [(4, _capacities(16, 2, 1, 4)), (4, _capacities(8, 2, 1, 4))]  # (clusters, member capacities)
+    # block 1: window = 8 prefix columns, no suffix (end of the sequence); 3 clusters (the authors' cap of
+    # n_clusters - 1 for the prefix; member capacities still count n_clusters)
+    blocks = [(4, _capacities(16, 2, 1, 4)), (3, _capacities(8, 2, 1, 4))]  # (clusters, member capacities)
     weight = evals = probes = kv = 0
     for k, caps in blocks:
         # the block start: a full forward, the centroids ride along each layer's q pass, one proxy read per layer
