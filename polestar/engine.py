@@ -67,7 +67,8 @@ def decode(
             start, end = gen.state.block_start, gen.state.block_end
             out = runner(gen, block, start, end, step, global_step)
             meter.add(out.cost)
-            work = out.work.tolist()  # the loop's termination check: the one host read per step
+            read = out.work.tolist()  # the loop's termination check: the one host read per step
+            work, gen.state.refresh_flags = read[: config.num_blocks], tuple(read[config.num_blocks :])
             if on_step is not None:
                 on_step(_record(gen, out, block, step, global_step, before))
             step += 1
@@ -116,6 +117,7 @@ def begin_block(gen: Generation, block: int) -> None:
     state.active = ~gen.totals.finished & state.block_masked_any()
     state.last_commits = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
     state.packet = None
+    state.refresh_flags = ()
     gen.pipeline.refresh.begin_block(gen.refresh_local, state)
     gen.pipeline.commit.begin_block(gen.commit_local, state)
     gen.pipeline.refresh.allocate(gen.refresh_local, state, gen.cache, gen.model)

@@ -108,6 +108,13 @@ class RefreshSelector(Stage):
         """Attention rows this selector wants from the forward (default: none)."""
         return None
 
+    def next_step_flags(self, state: DecodeState, local: Any) -> torch.Tensor | None:
+        """Decisions for the next step, computed on the device at the end of this one: ``[F]`` bool or None. The
+        loop reads them with its termination check (no extra host read) and hands them back as
+        ``state.refresh_flags`` (Python bools) for the next step's :meth:`plan` and :meth:`hook`, so a selector
+        can skip work no row needs (Polestar: no row is due for a sparse update) by choosing the step's shape."""
+        return None
+
     def observe(self, state: DecodeState, plan: Plan, probe: torch.Tensor | None, cache: DecodeCache,
                 local: Any) -> None:
         """Bookkeeping after the forward (drift histories, clusters); default: nothing."""

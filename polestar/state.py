@@ -154,7 +154,9 @@ class DecodeState:
     generation; ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts for the current block.
     Typed hand-offs between stages: ``last_commits`` ``[B]`` long, tokens committed per row by the previous step
     (engine → refresh selectors); ``packet``: this step's :class:`UpdatePacket` or None (refresh selector's
-    forward hook → commit rule); ``random``: this step's :class:`StepRandom`.
+    forward hook → commit rule); ``random``: this step's :class:`StepRandom`; ``refresh_flags``: the refresh
+    selector's flags for this step, computed on the device at the end of the previous step and read by the loop
+    with its termination check (empty at a block's first step).
     """
 
     x: torch.Tensor
@@ -175,6 +177,7 @@ class DecodeState:
     last_commits: torch.Tensor | None = None
     packet: UpdatePacket | None = None
     random: StepRandom = StepRandom()
+    refresh_flags: tuple[bool, ...] = ()
 
     @property
     def length(self) -> int:

@@ -145,8 +145,9 @@ class Generation:
 
 
 class StepOutput(NamedTuple):
-    """What one step hands back to the loop: ``work [num_blocks]`` bool, per block whether an unfinished row still
-    has masked positions there (the loop's one host read); ``plan``; ``stepped [B]`` rows that decoded;
+    """What one step hands back to the loop: ``work [num_blocks + F]`` bool, per block whether an unfinished row still
+    has masked positions there, then the refresh selector's ``F`` flags for the next step
+    (:meth:`~polestar.stages.RefreshSelector.next_step_flags`; the loop's one host read); ``plan``; ``stepped [B]`` rows that decoded;
     ``masked [B, bl]`` the block's masked positions before the commit; ``confidence [B, bl]`` float64;
     ``origins``: :class:`CommitOrigins`; ``cost``: the forward's :class:`StepCost` (plain ints)."""
 
@@ -223,6 +224,9 @@ def decode_step(gen: Generation, block_index: int, block_start: int, block_end: 
         totals.finished.logical_or_(done)
     state.active = ~totals.finished & state.block_masked_any()
     work = block_work(state.x, totals.finished, P, config.block_length, spec.mask_id)
+    flags = refresh.next_step_flags(state, gen.refresh_local)
+    if flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
+        work = torch.cat([work, flags])
     origins = CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra)
     return StepOutput(work, plan, stepped, masked, pred.confidence, origins, cost)
 

@@ -5,8 +5,8 @@ storage for a tuple of leaves ``[B, N, ...]`` (initialized to ``like``'s values)
 ``[B, M, ...]`` on ``device``; ``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place.
 Rows are long indices along dim 1; a read or write never syncs the host with the device.
 
-``compilable``: whether ``read_rows`` / ``write_rows`` can be traced by ``torch.compile(fullgraph=True)`` (the
-stepping code runs eagerly when False).
+``compilable``: whether ``read_rows`` / ``write_rows`` can be traced by ``torch.compile(fullgraph=True)`` (when
+False, every step of the pipeline runs eagerly: the step is compiled whole or not at all).
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class CPUOffload(Offloader):
     storage, waiting on the event only then. ``read_rows`` copies the host leaves to the device (``non_blocking``)
     and gathers the rows there: the rows are chosen on the device, and reading them on the host would sync. On a
     CPU-only machine the same path runs (CPU→CPU copies) and values equal ``none``'s. Not traceable by
-    ``torch.compile`` (``compilable = False``).
+    ``torch.compile`` (``compilable = False``: host buffers, events and a lazy host-side scatter), so with
+    ``compile=True`` every step of a pipeline with this offloader runs eagerly (``RunStats.compiled_steps`` is 0).
     """
 
     compilable = False

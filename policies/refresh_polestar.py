@@ -155,15 +155,25 @@ class PolestarRefresh(RefreshSelector):
         if state.at_block_start:  # the block's first forward: cluster and store the window at every layer
             plan_start = state.block_start - state.logit_shift - plan.target_offset
             return _BuildHook(self, state, plan_start, cache, model, local)
+        if not state.refresh_flags[0]:  # no row is due for an update (decided on the device, read with the loop's)
+            return None
         # the block start's side-stream work (storing the window) must finish before this step reads the stores
         local.side.join()
+        strategy = _PolestarMembers(self, state, cache, model, local, local.due)
+        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
+
+    def next_step_flags(self, state: DecodeState, local: PolestarRefreshState) -> torch.Tensor | None:
+        """``[1]`` bool: is any row due for a sparse update at the next step. A row is due when the step just taken
+        committed more than ``tau_upd`` tokens or more than ``tau_upd + 1`` were committed since its last update;
+        ``local.due [B]`` keeps which rows (the others take part with no member)."""
+        if local.window.size == 0:
+            return None
         last = state.last_commits
         tau = self.config.tau_upd
-        # rows due for an update; the others take part with no member (fixed shape, no host read)
         due = state.active & ((last > tau) | (local.since + last > tau + 1))
         local.since = torch.where(due, 0, local.since + last)
-        strategy = _PolestarMembers(self, state, cache, model, local, due)
-        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
+        local.due = due
+        return due.any()[None]
 
     def capacities(self, window: int, n_layers: int) -> list[int]:
         """Member-buffer rows per layer (:func:`member_capacity`; ``topk_last`` at the last layer)."""
@@ -180,7 +190,8 @@ class PolestarRefreshState:
     ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: per
     layer and window part the k-means seeds ``[B, n]`` drawn for this block; ``store``: the window's stored layer inputs and ``qstore`` their queries
     (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
-    ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; per layer ``l``:
+    ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; ``due``: ``[B]`` rows due
+    for an update at the next step; per layer ``l``:
     ``centroids[l] [B, K, d]``, ``labels[l] [B, Nw]`` (-1 invalid), ``counts[l] [B, K]``,
     ``centroid_pos[l] [B, K]`` and the last update's proxy distributions ``prev[l] [B, H, K, T+1]``.
     """
@@ -188,6 +199,7 @@ class PolestarRefreshState:
     side: SideStream
     window: Window | None = None
     keys: list = attrs.field(factory=list)
+    due: torch.Tensor | None = None
     store: RowStore | None = None
     qstore: RowStore | None = None
     buffers: dict = attrs.field(factory=dict)
