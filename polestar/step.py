@@ -17,6 +17,8 @@ eager decoding consume the same random stream.
 from __future__ import annotations
 
 import contextlib
+import types
+from collections.abc import Callable
 from typing import NamedTuple
 
 import attrs
@@ -237,6 +239,25 @@ def pipeline_compilable(pipeline: Pipeline) -> bool:
     return all(getattr(stage, "compilable", True) for stage in pipeline.stages.values())
 
 
+_COMPILED_STEPS: dict[tuple[str, str, str | None], Callable] = {}
+
+
+def compiled_step(pipeline: Pipeline, backend: str, mode: str | None) -> Callable:
+    """The compiled :func:`decode_step` of ``pipeline``'s stage composition (names and options), made once per
+    process and shared by every generation with that composition. Each composition compiles its own copy of the
+    function's code: dynamo keeps its graphs and recompile count per code object, so the graphs of one policy
+    never sit in the guard chain of another, and a session that runs every policy never reaches the recompile
+    limit."""
+    key = (repr(sorted(pipeline.describe().items())), backend, mode)
+    fn = _COMPILED_STEPS.get(key)
+    if fn is None:
+        code = decode_step.__code__.replace(co_name=f"decode_step_{len(_COMPILED_STEPS)}")
+        step = types.FunctionType(code, decode_step.__globals__, code.co_name, decode_step.__defaults__,
+                                  decode_step.__closure__)
+        fn = _COMPILED_STEPS[key] = torch.compile(step, fullgraph=True, mode=mode, backend=backend)
+    return fn
+
+
 # the per-step ints: symbolic from the first compile, so a new block or step does not recompile
 _DYNAMIC_INTS = ",".join(f"L['{name}']" for name in ("block_index", "block_start", "block_end", "step", "global_step"))
 
@@ -261,7 +282,7 @@ class StepRunner:
         if self.compile:
             backend = compile if isinstance(compile, str) else "inductor"
             mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
-            self._compiled = torch.compile(decode_step, fullgraph=True, mode=mode, backend=backend)
+            self._compiled = compiled_step(pipeline, backend, mode)
 
     def mark_static(self, cache: DecodeCache) -> None:
         """Pin the cache buffers' addresses for CUDA graphs (they are written in place, never reallocated)."""
