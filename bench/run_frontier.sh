@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accuracy–TPF frontier (issue 18): `fast-dllm` and `parallel` over a threshold sweep, the adaptive commit rules
+# The accuracy–TPF frontier: `fast-dllm` and `parallel` over a threshold sweep, the adaptive commit rules
 # (`polestar-commit`, `polestar`, `eb`, `klass`) at their defaults and `polestar` at two more α values, on the same
 # problems. Raw bench JSON goes to runs/frontier/<model>-<task>/, the table and the plot to docs/results/.
 # About 12 min per model and task at N=500 on one core.

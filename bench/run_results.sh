@@ -24,7 +24,7 @@ for model in ${MODELS:-tiny-llada tiny-dream}; do
       | tee "$OUT/$model-$task-t05.txt"
   done
   for task in ${ANATOMY_TASKS:-arith sudoku}; do
-    # where the commits come from (issue 5's analysis), with the EOS stop and, as in the reference loops, without
+    # where the commits come from, with the EOS stop and, as in the reference loops, without
     for eos in "" --no-stop-at-eos; do
       polestar anatomy --model $model --task $task --policies fast-dllm,polestar-commit,polestar --n "$N" \
         --batch-size 50 --gen-length 64 --block-length 16 $eos | tee "$OUT/$model-$task-anatomy${eos:+-noeos}.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Polestar-Cache recompute-budget sweep (issue 4's analysis): `polestar-cache` under a few settings of its
+# Polestar-Cache recompute-budget sweep: `polestar-cache` under a few settings of its
 # refresh selector beside `fast-dllm`, `elastic-cache` and `parallel` (no cache), as one table per model and task
 # (`python bench/sweep_table.py`). About 5 min per model and task at N=500 on one core.
 # Usage: bash bench/run_sweep.sh [N]   (MODELS="tiny-llada", TASKS="sudoku" to run part of it)

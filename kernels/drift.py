@@ -1,6 +1,7 @@
 """Row-wise drift between attention distributions, and the entropy "uncertainty" metric.
 
-Polestar (Lee et al., 2026, see ``shared/PAPER.md``) measures the *representation drift* of a
+Polestar (Lee et al., 2026, "Polestar: Drift-Aware Cache Calibration and Token Commitment")
+measures the *representation drift* of a
 token (or of a cluster's proxy query) at step ``t`` as ``KL(A^t || A^{t-1})`` of its attention
 row, computed per head and averaged over heads (:func:`head_mean_kl_drift`).  The paper's
 ablation compares KL against cosine dissimilarity (:func:`cosine_drift`) and an

@@ -1,6 +1,7 @@
 """Attention probabilities of probe ("proxy") queries over the cached keys.
 
-Polestar (Lee et al., 2026, ``shared/PAPER.md``, "Polestar-Cache") measures the drift of a
+Polestar (Lee et al., 2026, "Polestar: Drift-Aware Cache Calibration and Token Commitment",
+section "Polestar-Cache") measures the drift of a
 cluster through the attention row of its *proxy query* (e.g. the centroid's query): the full
 softmax distribution ``A = softmax((q . k) * scale)`` over all ``T`` key positions, compared
 between steps with :func:`polestar.kernels.drift.kl_drift`.  This module computes those rows

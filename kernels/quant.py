@@ -1,6 +1,6 @@
 """Quantization of cluster residuals: NVFP4 (paper default), per-row FP8 and identity.
 
-Polestar (Lee et al., 2026, ``shared/PAPER.md``) stores each cluster member as its residual
+Polestar (Lee et al., 2026, "Polestar: Drift-Aware Cache Calibration and Token Commitment") stores each cluster member as its residual
 ``member - centroid`` quantized to NVFP4 to keep the cache small.  NVFP4 (NVIDIA Blackwell
 format; conventions as in torchao ``prototype/mx_formats/nvfp4_tensor.py``) is two-level:
 

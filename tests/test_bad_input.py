@@ -1,4 +1,4 @@
-"""Bad input answered at once and clearly (issue 17, item 1).
+"""Bad input answered at once and clearly.
 
 Every case goes through the command line (``polestar.cli.main``): the exit code (2 usage error, 1 runtime failure),
 exactly one ``error:`` line on stderr naming the flag / key / file, and, for the usage errors, no model load (the

@@ -1,4 +1,4 @@
-"""Determinism and batch invariance of every registered policy (issue 17, item 4).
+"""Determinism and batch invariance of every registered policy.
 
 * the same seed gives the same tokens, greedy and sampled (temperature > 0);
 * a sequence decodes to the same tokens alone or in a batch with others (greedy, fp32), with prompts of

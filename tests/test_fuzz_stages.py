@@ -1,4 +1,4 @@
-"""Invariants of every registered drift and quant stage, fuzzed with hypothesis (issue 17, item 3).
+"""Invariants of every registered drift and quant stage, fuzzed with hypothesis.
 
 Parametrized from ``polestar.registry.names(kind)``, so a newly registered stage is covered without editing this
 file (a quant format must add its error bound to ``QUANT_BOUNDS``; an unknown format fails loudly).

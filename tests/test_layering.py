@@ -1,6 +1,6 @@
 """Layering of the installed package: every module imports, and the static import graph obeys the layers.
 
-The layers (``/work/shared/DESIGN.md``, "Layout"; issue 14, item 3):
+The layers of the installed package:
 
 * ``polestar.kernels`` imports only itself (torch / triton outside the package);
 * ``polestar.models`` imports only itself and the kernels (never the benchmark, a policy or the core);

@@ -13,7 +13,7 @@ from polestar.registry import names
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]
-# topk = topk_last = n_clusters (8): every cluster refreshed (a larger topk is an error since issue 17)
+# topk = topk_last = n_clusters (8): every cluster refreshed (a larger topk is an error)
 EXACT = dict(topk=8, topk_last=8, tau_upd=0, prefix_blocks=64, suffix_blocks=64, window_refresh_every=0,
              quant="none")
 

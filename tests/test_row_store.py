@@ -1,4 +1,4 @@
-"""``RowStore`` (issue 15a): row writes touch only their rows, for every registered quant × offload stage.
+"""``RowStore``: row writes touch only their rows, for every registered quant × offload stage.
 
 Parametrized from ``polestar.registry.names(kind)``, so a new quant or offload stage is covered without editing this
 file (a quant format states its error bound in ``tests/test_fuzz_stages.QUANT_BOUNDS``).
