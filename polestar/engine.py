@@ -22,7 +22,7 @@ from .policy import Pipeline
 from .schedule import transfer_counts
 from .state import DecodeState, StepRecord
 from .stats import RunStats, SequenceStats
-from .step import Generation, StepRunner, Totals, block_work, eos_finished, forced_commits, predict  # noqa: F401
+from .step import Generation, StepRunner, Totals, block_work
 
 
 @torch.inference_mode()
@@ -64,8 +64,7 @@ def decode(
         step = 0
         while True:
             before = gen.state.x.clone() if on_step is not None else None
-            start, end = gen.state.block_start, gen.state.block_end
-            out = runner(gen, block, start, end, step, global_step)
+            out = runner(gen, block, gen.state.block_start, gen.state.block_end, step, global_step)
             meter.add(out.cost)
             read = out.work.tolist()  # the loop's termination check: the one host read per step
             work, gen.state.refresh_flags = read[: config.num_blocks], tuple(read[config.num_blocks :])

@@ -196,10 +196,13 @@ class DecodeState:
         """True at the block's first forward (where the cached policies refresh everything)."""
         return self.step == 0
 
+    def _block_is_mask(self) -> torch.Tensor:
+        return self.x[:, self.block_start : self.block_end] == self.mask_id
+
     def block_masked(self) -> torch.Tensor:
         """``[B, bl]`` bool: mask tokens of the current block in active rows."""
-        return (self.x[:, self.block_start : self.block_end] == self.mask_id) & self.active[:, None]
+        return self._block_is_mask() & self.active[:, None]
 
     def block_masked_any(self) -> torch.Tensor:
         """``[B]`` bool: rows with a mask token in the current block (active or not)."""
-        return (self.x[:, self.block_start : self.block_end] == self.mask_id).any(dim=1)
+        return self._block_is_mask().any(dim=1)

@@ -102,18 +102,17 @@ def block_forward(model: DiffusionLM, x: torch.Tensor, cache: DecodeCache, plan:
 class Totals:
     """Per-sequence accumulators of one generation, updated in place by every step (``[B]`` each): ``finished``
     bool, ``failed_at`` long (the step whose logits were non-finite, -1 if none), ``nfe`` long (forwards that
-    decoded the row), ``evals`` long (the row's own token-layer evaluations), ``steps`` long scalar (steps run)."""
+    decoded the row), ``evals`` long (the row's own token-layer evaluations)."""
 
     finished: torch.Tensor
     failed_at: torch.Tensor
     nfe: torch.Tensor
     evals: torch.Tensor
-    steps: torch.Tensor
 
     @classmethod
     def zeros(cls, batch: int, device) -> Totals:
         z = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(z.bool(), z - 1, z.clone(), z.clone(), torch.zeros((), dtype=torch.long, device=device))
+        return cls(z.bool(), z - 1, z.clone(), z.clone())
 
 
 @attrs.define
@@ -195,7 +194,7 @@ def decode_step(gen: Generation, block_index: int, block_start: int, block_end: 
         commit.observe_probe(state, probs, gen.commit_local)
     stepped = state.active
     broken = stepped & nonfinite_rows(logits)
-    totals.failed_at.copy_(torch.where(broken, totals.steps, totals.failed_at))
+    totals.failed_at.copy_(torch.where(broken, global_step, totals.failed_at))
     totals.finished.logical_or_(broken)
     state.active = stepped & ~broken  # a row with non-finite logits commits nothing from here on
     masked = state.block_masked()
@@ -217,7 +216,6 @@ def decode_step(gen: Generation, block_index: int, block_start: int, block_end: 
     if hook is not None:
         totals.evals.add_(hook.evals)
     totals.nfe.add_(stepped.long())
-    totals.steps.add_(1)
     P = state.prompt_len
     if config.stop_at_eos:
         done, fill = eos_finished(state.x[:, P:], spec.mask_id, gen.stops)
@@ -306,7 +304,8 @@ class StepRunner:
 @contextlib.contextmanager
 def _compile_settings():
     """Symbolic step ints (:data:`_DYNAMIC_INTS`), everything else static: a stage option (a float threshold, an
-    int top-k) that differs between two policies must not turn into a graph input read back with ``.item()``."""
+    int top-k) that differs between two policies stays a constant of each policy's graph, never a graph input
+    that the step would have to read back to the host."""
     dynamo = torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False, specialize_float=True)
     with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_INTS), dynamo:
         yield

@@ -53,6 +53,14 @@ def window_parts(window: Window, n_clusters: int) -> list[tuple[int, int, int]]:
     return [(lo, hi, k) for lo, hi, k in ((0, n_pre, k_pre), (n_pre, window.size, k_post)) if k > 0]
 
 
+def pad_columns(t: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """``t [B, m, ...]`` padded with ``fill`` to ``[B, n, ...]`` along dim 1 (``n ≥ m``)."""
+    pad = n - t.shape[1]
+    if pad == 0:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], dim=1)
+
+
 def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
     """Clusters for the prefix and suffix parts, proportional to their lengths (authors' rule), each ≤ its size."""
     if n_pre == 0:
@@ -130,11 +138,15 @@ class PolestarRefresh(RefreshSelector):
         if local.window.size == 0:
             return
         local.store, local.qstore = local.stores_for(self, state, model)
-        B = state.batch_size
-        if self.clusterer.needs_keys:
-            parts = window_parts(local.window, self.config.n_clusters)
-            local.keys = [[init_keys(1, hi - lo, state.generator, state.x.device).expand(B, -1)
-                           for lo, hi, _k in parts] for _ in range(model.spec.n_layers)]
+        local.key_rope = None if self.config.proxy_rope else model.rotary.cos_sin(cache.positions)
+        B, device = state.batch_size, state.x.device
+        parts = window_parts(local.window, self.config.n_clusters)
+        n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
+        local.k_valid = torch.cat([(torch.arange(k_max, device=device) < k).expand(B, -1) for _lo, _hi, k in parts])
+        if self.clusterer.needs_keys:  # per layer the parts' keys stacked as groups, padded to the longer part
+            local.keys = [torch.cat([pad_columns(init_keys(1, hi - lo, state.generator, device).expand(B, -1),
+                                                 n_max, -1.0) for lo, hi, _k in parts])
+                          for _ in range(model.spec.n_layers)]
 
     # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, state: DecodeState, cache: DecodeCache, local: PolestarRefreshState) -> Plan:
@@ -159,7 +171,7 @@ class PolestarRefresh(RefreshSelector):
             return None
         # the block start's side-stream work (storing the window) must finish before this step reads the stores
         local.side.join()
-        strategy = _PolestarMembers(self, state, cache, model, local, local.due)
+        strategy = _PolestarMembers(self, state, cache, model, local)
         return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
 
     def next_step_flags(self, state: DecodeState, local: PolestarRefreshState) -> torch.Tensor | None:
@@ -188,7 +200,9 @@ class PolestarRefreshState:
     each block start.
 
     ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: per
-    layer and window part the k-means seeds ``[B, n]`` drawn for this block; ``store``: the window's stored layer inputs and ``qstore`` their queries
+    layer the k-means seeds drawn for this block, the window parts stacked as groups ``[P * B, n]`` (``k_valid
+    [P * B, k]`` their enabled clusters); ``key_rope``: cos, sin of the cache positions for :func:`proxy_keys`
+    (None with ``proxy_rope``); ``store``: the window's stored layer inputs and ``qstore`` their queries
     (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
     ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; ``due``: ``[B]`` rows due
     for an update at the next step; per layer ``l``:
@@ -199,6 +213,8 @@ class PolestarRefreshState:
     side: SideStream
     window: Window | None = None
     keys: list = attrs.field(factory=list)
+    k_valid: torch.Tensor | None = None
+    key_rope: tuple | None = None
     due: torch.Tensor | None = None
     store: RowStore | None = None
     qstore: RowStore | None = None
@@ -225,19 +241,15 @@ class PolestarRefreshState:
         return self.buffers[n]
 
 
-def proxy_keys(sel: PolestarRefresh, model, cache: DecodeCache, layer: int, rope: tuple | None) -> torch.Tensor:
-    """The keys centroid queries are scored against at ``layer``: the cached (rotated) keys with ``proxy_rope``,
-    else the keys with their rotary embedding undone (``rope``: cos, sin ``[B, 1, T + 1, hd]`` of the cache
-    positions), as the authors' released code scores un-rotated centroid queries against un-rotated keys."""
-    if sel.config.proxy_rope:
+def proxy_keys(cache: DecodeCache, layer: int, key_rope: tuple | None) -> torch.Tensor:
+    """The keys centroid queries are scored against at ``layer``: the cached (rotated) keys when ``key_rope`` is
+    None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos, sin
+    ``[B, 1, T + 1, hd]`` of the cache positions), as the authors' released code scores un-rotated centroid
+    queries against un-rotated keys."""
+    if key_rope is None:
         return cache.k[layer]
-    cos, sin = rope
+    cos, sin = key_rope
     return Rotary.apply(cache.k[layer], cos, -sin)
-
-
-def proxy_rope_tables(sel: PolestarRefresh, model, cache: DecodeCache) -> tuple | None:
-    """cos, sin of the cache positions for :func:`proxy_keys` (None with ``proxy_rope``)."""
-    return None if sel.config.proxy_rope else model.rotary.cos_sin(cache.positions)
 
 
 class _BuildHook(LayerHook):
@@ -258,35 +270,20 @@ class _BuildHook(LayerHook):
         self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
         self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
         self.parts = window_parts(window, sel.config.n_clusters)
-        self.keys = local.keys or [[None] * len(self.parts) for _ in range(model.spec.n_layers)]
         self.rope_pos = cache.positions.index_select(1, window.positions)
-        self.rope = proxy_rope_tables(sel, model, cache)
 
     def _cluster(self, layer: int, hw: torch.Tensor):
         """``hw [B, Nw, d]`` → ``centroids [B, K, d]``, ``labels [B, Nw]`` (window-wide cluster ids, -1 invalid),
         ``counts [B, K]``. The prefix and suffix parts are clustered separately, in one clusterer call: each part is
         a group of its own, padded to the longer part (padding invalid) with the clusters it lacks disabled."""
-        valid = self.local.window.valid
-        parts, keys = self.parts, self.keys[layer]
-        B, _, d = hw.shape
-        n_max = max(hi - lo for lo, hi, _k in parts)
-        k_max = max(k for _lo, _hi, k in parts)
-
-        def padded(t: torch.Tensor, lo: int, hi: int, fill) -> torch.Tensor:
-            pad = n_max - (hi - lo)
-            part = t[:, lo:hi]
-            if pad == 0:
-                return part
-            return torch.cat([part, part.new_full((B, pad, *part.shape[2:]), fill)], dim=1)
-
-        x = torch.cat([padded(hw.float(), lo, hi, 0.0) for lo, hi, _k in parts])
-        ok = torch.cat([padded(valid, lo, hi, False) for lo, hi, _k in parts])
-        seeds = None
-        if keys[0] is not None:
-            seeds = torch.cat([padded(key, 0, hi - lo, -1.0) for key, (lo, hi, _k) in zip(keys, parts)])
-        k_valid = torch.cat([(torch.arange(k_max, device=hw.device) < k).expand(B, -1) for _lo, _hi, k in parts])
+        local, parts = self.local, self.parts
+        B = hw.shape[0]
+        n_max, k_max = max(hi - lo for lo, hi, _k in parts), local.k_valid.shape[1]
+        x = torch.cat([pad_columns(hw[:, lo:hi].float(), n_max, 0.0) for lo, hi, _k in parts])
+        ok = torch.cat([pad_columns(local.window.valid[:, lo:hi], n_max, False) for lo, hi, _k in parts])
+        seeds = local.keys[layer] if local.keys else None
         with scope("cluster"):
-            c, lab, cnt = self.sel.clusterer.cluster(x, k_max, ok, None, seeds, k_valid=k_valid)
+            c, lab, cnt = self.sel.clusterer.cluster(x, k_max, ok, None, seeds, k_valid=local.k_valid)
         centroids, labels, counts, offset = [], [], [], 0
         for i, (lo, hi, k) in enumerate(parts):
             rows = slice(i * B, (i + 1) * B)
@@ -322,7 +319,7 @@ class _BuildHook(LayerHook):
         with local.side.run(q_window), scope("store"):
             local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            keys = proxy_keys(self.sel, self.model, self.cache, layer, self.rope)
+            keys = proxy_keys(self.cache, layer, local.key_rope)
             local.prev.append(self.model.attention_probs(qkv.q[:, :, C:], keys, self.cache.key_valid,
                                                          qkv.meter))
         return None
@@ -330,13 +327,13 @@ class _BuildHook(LayerHook):
 
 class _PolestarMembers(MemberStrategy):
     """Polestar's member choice at a sparse-update step (see the module docstring): query-only rows are the layer's
-    centroids; members are the window rows of the top drifting clusters, queries from the query store. ``due [B]``:
+    centroids; members are the window rows of the top drifting clusters, queries from the query store. ``local.due [B]``:
     rows that update at this step (the others choose no member)."""
 
     wants_old = True
 
-    def __init__(self, sel: PolestarRefresh, state, cache, model, local: PolestarRefreshState, due: torch.Tensor):
-        self.sel, self.cache, self.model, self.local, self.due = sel, cache, model, local, due
+    def __init__(self, sel: PolestarRefresh, state, cache, model, local: PolestarRefreshState):
+        self.sel, self.cache, self.model, self.local, self.due = sel, cache, model, local, local.due
         window: Window = local.window
         self.window = window
         self.store = local.store
@@ -346,7 +343,6 @@ class _PolestarMembers(MemberStrategy):
         self.wants_head = sel.packet_logits
         self.x = state.x
         self.n_kv = 0
-        self.rope = proxy_rope_tables(sel, model, cache)
 
     def slots(self, rows: torch.Tensor) -> torch.Tensor:
         return self.row_slot[rows]
@@ -381,7 +377,7 @@ class _PolestarMembers(MemberStrategy):
             with scope("store"):
                 local.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            keys = proxy_keys(sel, model, self.cache, layer, self.rope)
+            keys = proxy_keys(self.cache, layer, local.key_rope)
             cur = model.attention_probs(q_extra[:, :, self.n_kv:], keys, self.cache.key_valid,
                                         qkv.meter)
         with scope("drift"):

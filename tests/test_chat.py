@@ -11,10 +11,10 @@ from transformers import PreTrainedTokenizerBase
 
 import polestar
 from polestar.cli import main
-from polestar.engine import eos_finished
 from polestar.models.published import write_published_checkpoint
 from polestar.models.text import decode_texts
 from polestar.models.tokenizer import decode_generation
+from polestar.step import eos_finished
 
 NARROW = {
     "llada": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 128},
