@@ -5,18 +5,27 @@
 from . import policies as _builtin_policies  # noqa: F401  (registration side effect)
 from .api import GenerationOutput, encode_prompts, generate, load
 from .config import GenerationConfig
-from .policy import assemble, get_policy, policy_names
-from .registry import UnknownNameError
+from .plugins import load_entry_points as _load_entry_points
+from .plugins import load_plugin
+from .policy import PolicySpec, assemble, get_policy, policy_names, register_policy
+from .registry import UnknownNameError, register
 
 __all__ = [
     "GenerationConfig",
     "GenerationOutput",
+    "PolicySpec",
     "UnknownNameError",
     "assemble",
     "encode_prompts",
     "generate",
     "get_policy",
     "load",
+    "load_plugin",
     "policy_names",
+    "register",
+    "register_policy",
 ]
 __version__ = "0.1.0"
+
+# installed plugins (entry point group ``polestar.plugins``) register last, once the façade above is complete
+_load_entry_points()

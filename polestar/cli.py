@@ -32,6 +32,7 @@ from .cli_checks import (
     parse_sets,
     working,
 )
+from .plugins import load_plugins
 
 __all__ = ["build_parser", "main", "parse_sets"]
 
@@ -55,6 +56,12 @@ def _package_version() -> str:
         return __version__
 
 
+def _add_plugin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
+                   help="import a module (dotted name) or a .py file that registers stages or policies before the "
+                        "command runs (repeatable; see polestar.plugins)")
+
+
 def _add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     if policy:
         p.add_argument("--policy", default="fast-dllm", help="policy name (see `polestar policies`)")
@@ -76,6 +83,7 @@ def _add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile each step with torch.compile (compile time is reported apart from TPS)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
+    _add_plugin_arg(p)
 
 
 def decoding_from_args(args) -> dict[str, Any]:
@@ -359,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("policies", help="list policies and stages with their options")
     p.add_argument("--json", action="store_true")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _add_plugin_arg(p)
     p.set_defaults(func=cmd_policies)
     b = sub.add_parser("bench", help="accuracy / throughput of policies on a task")
     _add_problem_args(b, "baseline,parallel,fast-dllm", n=200, batch_size=1)
@@ -379,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--policy-a", help="compare only this policy of A ... (needs --policy-b)")
     a.add_argument("--policy-b", help="... with this policy of B")
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _add_plugin_arg(a)
     a.set_defaults(func=cmd_agree)
     # `polestar lm-eval ...` is dispatched in main() before this parser: every argument goes to lm-eval untouched
     sub.add_parser("lm-eval", add_help=False,
@@ -407,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help, --version, or an argparse usage error (already printed in one line)
         return done.code if isinstance(done.code, int) else 2
     try:
+        load_plugins(getattr(args, "plugin", ()))  # before any check: a plugin's stages are valid names
         return args.func(args)
     except RuntimeFailure as err:
         code, line, error = 1, one_line(err), err

@@ -72,15 +72,18 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
     are an error that lists the valid ones. A key ending in ``?`` is optional: ``quant?=none`` swaps the stage
     only in a policy that has a ``quant`` stage, ``refresh.topk?=8`` and ``threshold?=0.8`` set the option only
     where a stage has it, and neither is an error elsewhere (``polestar bench`` passes ``--set`` this way, so one
-    setting can apply to several policies).
+    setting can apply to several policies). A swap of a composed kind (drift, cluster, quant, offload) that no
+    stage of the policy reads is an error naming the stages that would read it.
     """
     spec = get_policy(policy)
     overrides = dict(overrides or {})
     chosen = dict(spec.stages)
-    for kind in registry.KINDS:
-        if kind in overrides:
-            chosen[kind] = str(overrides.pop(kind))
+    swapped = [kind for kind in registry.KINDS if kind in overrides]
+    for kind in swapped:
+        chosen[kind] = str(overrides.pop(kind))
     _add_required(chosen)
+    for kind in swapped:
+        _check_consumed(policy, kind, chosen)
     for kind in registry.KINDS:
         if kind + "?" in overrides:  # an optional swap: only in a policy that has this stage
             name = str(overrides.pop(kind + "?"))
@@ -109,31 +112,10 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
             options[kind][key] = value
     stages = {kind: registry.build(kind, name, **options[kind]) for kind, name in chosen.items()}
     for stage in stages.values():
-        check_option_rules(stage)
-    for stage in stages.values():
         stage.bind(stages)
     return Pipeline(policy, stages)
 
 
-#: Checks across the options of one stage, which a single field's validator cannot make:
-#: ``(kind, stage name) → [(holds(config), message with {option} fields)]``.
-OPTION_RULES: dict[tuple[str, str], list[tuple[Any, str]]] = {
-    ("refresh", "polestar"): [
-        (lambda c: c.topk <= c.n_clusters,
-         "topk ({topk}) cannot exceed n_clusters ({n_clusters}): only n_clusters clusters exist to pick from; "
-         "lower topk or raise n_clusters"),
-        (lambda c: c.topk_last <= c.n_clusters,
-         "topk_last ({topk_last}) cannot exceed n_clusters ({n_clusters}); lower topk_last or raise n_clusters"),
-    ],
-}
-
-
-def check_option_rules(stage: Any) -> None:
-    """Raise one ValueError naming the stage and its options if ``stage``'s config breaks an :data:`OPTION_RULES`
-    rule."""
-    for holds, message in OPTION_RULES.get((stage.kind, stage.name), ()):
-        if not holds(stage.config):
-            raise ValueError(f"{stage.kind} stage {stage.name!r}: " + message.format(**attrs.asdict(stage.config)))
 def _add_required(chosen: dict[str, str]) -> None:
     """Add, in place, the default stage of every kind a chosen stage requires and the policy lacks."""
     pending = list(chosen.items())
@@ -143,6 +125,20 @@ def _add_required(chosen: dict[str, str]) -> None:
             if need not in chosen:
                 chosen[need] = default
                 pending.append((need, default))
+
+
+def _check_consumed(policy: str, kind: str, chosen: dict[str, str]) -> None:
+    """A swapped-in stage of a composed kind (drift, cluster, quant, offload) must be read by a chosen stage: one
+    ValueError naming the policy's stages and the registered stages that would read it."""
+    if kind in POLICY_KINDS:
+        return
+    if any(kind in registry.lookup(k, n).requires for k, n in chosen.items() if k != kind):
+        return
+    readers = [f"{k} {n!r}" for k in registry.KINDS for n in registry.names(k) if kind in registry.lookup(k, n).requires]
+    own = ", ".join(f"{k} {chosen[k]!r}" for k in POLICY_KINDS if k in chosen)
+    raise ValueError(f"{kind}={chosen[kind]}: no stage of policy {policy!r} reads a {kind} stage ({own} do not); "
+                     f"stages that read one: {', '.join(readers) or 'none'} (swap one of them in, or pick a policy "
+                     "that has one)")
 
 
 def _unknown_option(key: str, fields: dict[str, dict[str, Any]]) -> str:

@@ -30,7 +30,10 @@ class UnknownNameError(KeyError, ValueError):
 
 
 def register(kind: str, name: str) -> Callable[[type[T]], type[T]]:
-    """Class decorator: register a stage class under ``kind`` / ``name``."""
+    """Class decorator: register a stage class under ``kind`` / ``name``.
+
+    Registering a class with the same module and qualified name again (a re-run notebook cell) replaces the
+    registered one; another class under a taken name raises ValueError naming both."""
     if kind not in _REGISTRY:
         raise UnknownNameError(f"unknown stage kind {kind!r}; kinds: {', '.join(KINDS)}")
 
@@ -38,14 +41,21 @@ def register(kind: str, name: str) -> Callable[[type[T]], type[T]]:
         if not attrs.has(getattr(cls, "Config", None)):
             raise TypeError(f"stage {cls.__name__} must define an attrs 'Config' class")
         existing = _REGISTRY[kind].get(name)
-        if existing is not None and existing is not cls:
-            raise ValueError(f"{kind} stage {name!r} is already registered by {existing.__name__}")
+        if existing is not None and _identity(existing) != _identity(cls):
+            raise ValueError(f"{kind} stage {name!r} is already registered by {_identity(existing)}; "
+                             f"register {_identity(cls)} under another name")
         _REGISTRY[kind][name] = cls
         cls.kind = kind
         cls.name = name
         return cls
 
     return deco
+
+
+def _identity(cls: type) -> str:
+    """``module.qualname`` of a stage class: the same class defined again (a notebook cell or a plugin run twice)
+    has the same identity and replaces the registered one; a different class under a taken name is an error."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def names(kind: str) -> list[str]:
@@ -80,12 +90,11 @@ def build(kind: str, name: str, **options: Any):
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise ValueError(f"{kind} stage {name!r} has no option(s) {unknown}; its options: {sorted(fields)}")
-    required = {k: v for k, v in options.items() if fields[k].default is attrs.NOTHING}
     for key, value in options.items():
-        _check_option(cls, kind, name, fields[key], value, required)
+        _check_option(kind, name, fields[key], value)
     try:
         config = cls.Config(**options)
-    except (TypeError, ValueError) as err:  # a check across options
+    except (TypeError, ValueError) as err:  # a check across options (the Config's own __attrs_post_init__)
         raise ValueError(f"{kind} stage {name!r}: {_one_line(err)}") from None
     return cls(config)
 
@@ -136,15 +145,15 @@ def _type_ok(type_name: str, value: Any) -> bool:
     return True
 
 
-def _check_option(cls: type, kind: str, name: str, field: attrs.Attribute, value: Any, required: dict) -> None:
-    """Type and range of one option, checked on its own (with only the ``required`` options, which have no default)
-    so the error names it."""
+def _check_option(kind: str, name: str, field: attrs.Attribute, value: Any) -> None:
+    """Type and range of one option, checked on its own with the field's validator (checks across options run when
+    the whole Config is built) so the error names it."""
     problem = None
     if not _type_ok(_type_name(field), value):
         problem = f"got {value!r} ({type(value).__name__})"
-    else:
+    elif field.validator is not None:
         try:
-            cls.Config(**{**required, field.name: value})
+            field.validator(None, field, field.converter(value) if field.converter is not None else value)
         except (TypeError, ValueError) as err:
             problem = f"got {value!r} ({_one_line(err)})"
     if problem is not None:

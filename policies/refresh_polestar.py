@@ -111,6 +111,12 @@ class PolestarRefresh(RefreshSelector):
         capacity: float = attrs.field(default=1.5, validator=v.gt(0.0))
         proxy_rope: bool = attrs.field(default=False, validator=v.instance_of(bool))
 
+        def __attrs_post_init__(self):  # only n_clusters clusters exist to pick from
+            for name in ("topk", "topk_last"):
+                if getattr(self, name) > self.n_clusters:
+                    raise ValueError(f"{name} ({getattr(self, name)}) cannot exceed n_clusters ({self.n_clusters}): "
+                                     f"only n_clusters clusters exist to pick from; lower {name} or raise n_clusters")
+
     needs_hidden = False
     requires = {"drift": "kl", "cluster": "kmeans", "quant": "none", "offload": "none"}
 

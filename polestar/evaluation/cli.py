@@ -5,7 +5,8 @@ for lm-eval's ``--model_args``), except ``--preset NAME`` (see
 :mod:`~polestar.evaluation.presets`), which is expanded first: ``preset=NAME`` is added to ``--model_args`` (block
 length, threshold and per-task generation lengths reach the model) and, when the selected tasks share one few-shot
 count in the preset and ``--num_fewshot`` is not given, ``--num_fewshot N`` is added. ``--model`` defaults to
-``polestar``. After the run, the decoding counters summed over every rank are written to
+``polestar``. ``--plugin MODULE_OR_FILE`` (repeatable) is imported first, in every process (see
+:mod:`polestar.plugins`; the model argument ``plugin=...`` does the same). After the run, the decoding counters summed over every rank are written to
 ``OUTPUT_PATH/polestar_counters_<time>.json`` when ``--output_path`` is given (beside lm-eval's results), else
 printed as JSON.
 """
@@ -16,6 +17,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from polestar.plugins import load_plugins
 
 from .presets import get_preset
 
@@ -42,19 +45,27 @@ def _values(argv: list[str], names: tuple[str, ...]) -> tuple[int, list[str]] | 
     return None
 
 
-def _pop_preset(argv: list[str]) -> tuple[str | None, list[str]]:
-    out, preset, i = [], None, 0
+def _pop_option(argv: list[str], option: str, example: str) -> tuple[list[str], list[str]]:
+    """The values of every ``option VALUE`` / ``option=VALUE`` in ``argv``, and ``argv`` without them."""
+    out, values, i = [], [], 0
     while i < len(argv):
-        if argv[i] == "--preset":
+        if argv[i] == option:
             if i + 1 >= len(argv):
-                raise ValueError("--preset needs a name, e.g. --preset table1")
-            preset, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--preset="):
-            preset, i = argv[i].split("=", 1)[1], i + 1
+                raise ValueError(f"{option} needs a value, e.g. {option} {example}")
+            values.append(argv[i + 1])
+            i += 2
+        elif argv[i].startswith(option + "="):
+            values.append(argv[i].split("=", 1)[1])
+            i += 1
         else:
             out.append(argv[i])
             i += 1
-    return preset, out
+    return values, out
+
+
+def _pop_preset(argv: list[str]) -> tuple[str | None, list[str]]:
+    presets, out = _pop_option(argv, "--preset", "table1")
+    return (presets[-1] if presets else None), out
 
 
 def _underscored(arg: str) -> str:
@@ -148,6 +159,8 @@ def run_lm_eval(argv: list[str]) -> int:
     """``polestar lm-eval``: expand the arguments, register the model, run lm-eval, write the counters."""
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
+    plugins, argv = _pop_option(argv, "--plugin", "mydrift.py")
+    load_plugins(plugins)  # this process (each rank under torchrun) registers the plugin's stages first
     argv = expand_arguments(argv)
     try:
         from . import lm_eval_model  # noqa: F401  (registers --model polestar)

@@ -14,6 +14,8 @@ before handing its arguments to lm-eval's own command line. Model arguments (``-
 * ``add_special_tokens``: whether contexts get the tokenizer's special tokens (LLaDA's BOS); by default yes, as
   :func:`polestar.generate` and LLaDA's evaluation do, except after ``--apply_chat_template`` (the template
   writes them);
+* ``plugin``: modules or ``.py`` files to import first (stages and policies defined outside the package; several
+  separated by ``:``; see :mod:`polestar.plugins`);
 * stage options and swaps: ``set.KEY=VALUE`` (``set.commit=factor``, ``set.refresh.refresh_interval=2``), the
   same keys as ``polestar bench --set``.
 
@@ -40,6 +42,7 @@ from lm_eval.api.registry import register_model
 import polestar
 from polestar.config import GenerationConfig
 from polestar.models.text import encode_text
+from polestar.plugins import load_plugins, split_plugin_list
 
 from . import distributed
 from .counters import DecodingCounters
@@ -120,6 +123,7 @@ class ModelArgs:
     cfg: float = attrs.field(default=0.0, converter=float, validator=v.ge(0.0))
     is_check_greedy: bool = attrs.field(default=False, converter=_to_bool)
     add_special_tokens: bool | None = attrs.field(default=None, converter=_optional(_to_bool))
+    plugin: str | None = attrs.field(default=None, converter=_optional(str))
 
     def __attrs_post_init__(self):
         if self.mc_num % min(self.mc_batch_size, self.mc_num):
@@ -180,6 +184,8 @@ class PolestarLM(LM):
         super().__init__()
         args, self.overrides = ModelArgs.parse(kwargs)
         self.args = args
+        if args.plugin:  # stages and policies of a plugin, registered before the policy is assembled
+            load_plugins(split_plugin_list(args.plugin))
         self.preset = get_preset(args.preset) if args.preset else None
         self.policy = args.policy
         self.gen_length, self.steps = args.gen_length, args.steps
