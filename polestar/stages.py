@@ -14,7 +14,7 @@ decode several generations at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,10 +65,12 @@ class LayerHook:
     ``evals``: ``[B]`` long, positions of each sequence the hook computed (counted as that sequence's compute);
     ``head_rows``: ``[B, M, d]`` last-layer rows that want logits with the block's (the update packet), with
     ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False when the hook decides on the host
-    (the step then runs eagerly).
+    (the step then runs eagerly); ``detail``: the step's :class:`~polestar.state.StepDetail` while an observer
+    records (set by the step), else None.
     """
 
     compilable = True
+    detail = None
     evals: torch.Tensor
     head_rows: torch.Tensor | None = None
     head_positions: torch.Tensor | None = None
@@ -120,6 +122,16 @@ class RefreshSelector(Stage):
         """Bookkeeping after the forward (drift histories, clusters); default: nothing."""
 
 
+class CommitFloor(NamedTuple):
+    """A commit rule's stated confidence floor: at temperature 0, one step commits at most ``exempt`` positions
+    of a row (inside the block and after it together, the engine's forced top-1 commit included) whose
+    confidence -- the proposed token's probability under :func:`~polestar.state.token_log_probs` -- is below
+    ``probability``. ``probability`` 0 states no floor; such a rule says why in its docstring."""
+
+    probability: float
+    exempt: int
+
+
 class CommitRule(Stage):
     """Decides which masked tokens of the current block a step commits.
 
@@ -135,6 +147,10 @@ class CommitRule(Stage):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState,
                local: Any) -> CommitSelection:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def floor(self) -> CommitFloor:
+        """The rule's :class:`CommitFloor` (default: no floor stated)."""
+        return CommitFloor(0.0, 0)
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:
         """Attention rows this rule wants from the forward (default: none)."""

@@ -17,7 +17,8 @@ class Prediction(NamedTuple):
     """What the model proposes for the current block at one step.
 
     ``tokens``: ``[B, bl]`` long, argmax (or Gumbel-max sample) with the mask token excluded;
-    ``confidence``: ``[B, bl]`` float64, softmax probability of ``tokens`` (``-inf`` where not masked);
+    ``confidence``: ``[B, bl]`` float64, probability of ``tokens`` under :func:`token_log_probs` (the mask token
+    excluded; ``-inf`` where not masked);
     ``logits``: ``[B, bl, V]`` raw logits of the block positions.
     """
 
@@ -36,28 +37,37 @@ class StepRandom(NamedTuple):
     remask: torch.Tensor | None = None
 
 
+def token_log_probs(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """The model's token distribution that decoding draws from: float64 log-probabilities of ``logits [..., V]``
+    with the mask token excluded (its logit set to ``-inf`` before the softmax, so its entry is ``-inf`` and the
+    other entries are renormalised) → ``[..., V]``. Proposals, confidences and every commit rule's entropy or KL
+    use this one distribution."""
+    l64 = logits.to(torch.float64)
+    if 0 <= mask_id < logits.shape[-1]:
+        l64 = l64.clone()
+        l64[..., mask_id] = float("-inf")
+    return torch.log_softmax(l64, dim=-1)
+
+
 def propose(
     logits: torch.Tensor, mask_id: int, temperature: float = 0.0, generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and float64 confidences for ``logits [..., V]`` → ``[...]``, ``[...]``.
 
-    The mask token is never proposed (its logit is excluded before argmax / sampling). With ``temperature > 0``
-    tokens are Gumbel-max samples in float64 as in LLaDA (``exp(l) / (-log u)^temperature``), with ``u`` the
+    Tokens are drawn from :func:`token_log_probs` (the mask token is never proposed). With ``temperature > 0``
+    they are Gumbel-max samples in float64 as in LLaDA (``exp(l) / (-log u)^temperature``), with ``u`` the
     uniform draws ``noise`` (same shape as ``logits``) or, without them, drawn here from ``generator``. Confidence
-    is the softmax probability of the proposed token under the unmodified logits.
+    is the proposed token's probability under that same distribution (mask token excluded).
     """
-    l64 = logits.to(torch.float64)
-    scores = l64
-    if 0 <= mask_id < logits.shape[-1]:
-        scores = l64.clone()
-        scores[..., mask_id] = float("-inf")
+    logp = token_log_probs(logits, mask_id)
+    scores = logp
     if temperature > 0:
         if noise is None:
             noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64, device=generator.device)
         scores = scores.exp() / (-torch.log(noise.to(scores.device))) ** temperature
     tokens = scores.argmax(dim=-1)
-    conf = (l64.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(l64, dim=-1)).exp()
+    conf = logp.gather(-1, tokens[..., None]).squeeze(-1).exp()
     return tokens, conf
 
 

@@ -16,8 +16,8 @@ from attrs import validators as v
 from polestar.models.backbone import AttentionProbe
 from polestar.models.plan import Plan
 from polestar.registry import register
-from polestar.stages import CommitRule
-from polestar.state import CommitSelection, DecodeState, Prediction, SuffixCommit, propose
+from polestar.stages import CommitFloor, CommitRule
+from polestar.state import CommitSelection, DecodeState, Prediction, SuffixCommit, propose, token_log_probs
 
 from .commit_basic import _threshold_validator, rank_descending, threshold_transfer
 
@@ -90,6 +90,11 @@ class PolestarCommit(CommitRule):
         early = band & (local.delta.double() >= gate) & (local.delta < c.delta_cap)
         return CommitSelection(transfer | early, early, band)
 
+    def floor(self) -> CommitFloor:
+        """Early commits need ``c > min_confidence``, threshold and suffix commits ``c ≥ threshold``; below the
+        lower of the two only the most confident position of a row."""
+        return CommitFloor(min(self.config.min_confidence, self.config.threshold), 1)
+
     def suffix(self, state: DecodeState, local: PolestarCommitState) -> SuffixCommit | None:
         """Suffix-block commits from this step's update packet (``[B, N]`` fields), or None."""
         packet = state.packet
@@ -117,16 +122,21 @@ class PolestarCommitState:
     delta: torch.Tensor | None = None
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return (-(logp.exp() * logp).sum(-1)).clamp_min(0.0)
+def token_entropy(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """Entropy (nats, float64) of the token distribution decoding draws from (:func:`token_log_probs`, the mask
+    token excluded): ``logits [..., V]`` → ``[...]``."""
+    return torch.special.entr(token_log_probs(logits, mask_id).exp()).sum(-1)
 
 
 @register("commit", "entropy-bound")
 class EntropyBoundCommit(CommitRule):
     """EB-sampler (Ben-Hamu et al. 2025, "Accelerated Sampling from Masked Diffusion Models via Entropy Bounded
     Unmasking"): order masked tokens by confidence and commit the longest prefix whose summed entropy minus its
-    largest entropy stays ≤ ``gamma`` (at least one token). Shapes: entropies ``[B, bl]``."""
+    largest entropy stays ≤ ``gamma`` (at least one token). Entropies are those of the distribution the tokens
+    are drawn from (:func:`~polestar.state.token_log_probs`, the mask token excluded), as the paper defines them
+    on the model's token distribution. Floor: every committed token but the prefix's largest-entropy one has
+    entropy ≤ ``gamma``, hence confidence ≥ ``exp(-gamma)``; the largest-entropy one is exempt by the paper's
+    bound and may have any confidence (at most one per row and step). Shapes: entropies ``[B, bl]``."""
 
     @attrs.frozen
     class Config:
@@ -135,19 +145,24 @@ class EntropyBoundCommit(CommitRule):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         conf = pred.confidence.masked_fill(~masked, float("-inf"))
         order = conf.argsort(dim=1, descending=True, stable=True)
-        ent = _entropy(pred.logits).masked_fill(~masked, 0.0).gather(1, order)
+        ent = token_entropy(pred.logits, state.mask_id).masked_fill(~masked, 0.0).gather(1, order)
         csum = ent.cumsum(dim=1)
         cmax = ent.cummax(dim=1).values
         ok = (csum - cmax) <= self.config.gamma
         count = ok.long().cumprod(dim=1).sum(dim=1).clamp_min(1)
         return CommitSelection(masked & (rank_descending(conf) < count[:, None]))
 
+    def floor(self) -> CommitFloor:
+        return CommitFloor(math.exp(-self.config.gamma), 1)
+
 
 @register("commit", "klass")
 class KLASSCommit(CommitRule):
     """KLASS (Kim et al. 2025, "KL-Adaptive Stability Sampling"): commit masked tokens whose output distribution
     moved less than ``kl_bound`` (KL between consecutive steps) for ``stable_steps`` consecutive steps and whose
-    confidence ≥ ``min_confidence``; the most confident token is always committed. Shapes: ``[B, bl]``."""
+    confidence ≥ ``min_confidence``; the most confident token is always committed. The KL is taken between the
+    distributions the tokens are drawn from (:func:`~polestar.state.token_log_probs`, the mask token excluded).
+    Shapes: ``[B, bl]``."""
 
     @attrs.frozen
     class Config:
@@ -162,7 +177,8 @@ class KLASSCommit(CommitRule):
         local.logp = local.streak = None
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local: KLASSState) -> CommitSelection:
-        logp = torch.log_softmax(pred.logits.float(), dim=-1)
+        # float32, the mask entry at the dtype's minimum: its p is 0 and its KL term 0 * 0, never inf - inf
+        logp = token_log_probs(pred.logits, state.mask_id).float().clamp_min(torch.finfo(torch.float32).min)
         if local.logp is None:
             streak = torch.zeros_like(masked, dtype=torch.long)
         else:
@@ -171,6 +187,10 @@ class KLASSCommit(CommitRule):
         local.logp, local.streak = logp, streak
         stable = (streak >= self.config.stable_steps) & (pred.confidence >= self.config.min_confidence)
         return CommitSelection(threshold_transfer(pred.confidence, masked, 2.0) | (masked & stable))
+
+    def floor(self) -> CommitFloor:
+        """Below ``min_confidence`` only the most confident position of a row."""
+        return CommitFloor(self.config.min_confidence, 1)
 
 
 @attrs.define

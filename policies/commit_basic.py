@@ -8,7 +8,7 @@ from attrs import validators as v
 
 from polestar.registry import register
 from polestar.schedule import transfer_counts  # noqa: F401  (LLaDA's schedule, kept importable from here)
-from polestar.stages import CommitRule
+from polestar.stages import CommitFloor, CommitRule
 from polestar.state import CommitSelection, DecodeState, Prediction
 
 
@@ -33,7 +33,9 @@ _REMASKING = {"low_confidence": _low_confidence, "random": _random}
 class TopKCommit(CommitRule):
     """LLaDA's fixed-count rule: step ``i`` of a block commits ``num_transfer[i]`` tokens, LLaDA's even split of the
     block's masks over ``steps // num_blocks`` steps, choosing the most confident (``low_confidence`` remasking) or
-    random ones (``random``). Source: Nie et al. 2025, ``generate.py``. Shapes: scores ``[B, bl]``."""
+    random ones (``random``). Source: Nie et al. 2025, ``generate.py``. It has no confidence floor: the count is
+    fixed by the schedule, so a step commits its share of tokens whatever their confidence. Shapes: scores
+    ``[B, bl]``."""
 
     @attrs.frozen
     class Config:
@@ -49,6 +51,9 @@ class TopKCommit(CommitRule):
         column = torch.full((state.batch_size, 1), min(state.step, steps - 1), device=masked.device)
         k = state.num_transfer.gather(1, column)  # a gather, not an int index: the step stays symbolic
         return CommitSelection(rank_descending(scores) < k)
+
+    def floor(self) -> CommitFloor:
+        return CommitFloor(0.0, 0)
 
 
 def _threshold_validator(_inst, attribute, value):
@@ -76,6 +81,10 @@ class ThresholdCommit(CommitRule):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         return CommitSelection(threshold_transfer(pred.confidence, masked, self.config.threshold))
 
+    def floor(self) -> CommitFloor:
+        """Below ``threshold`` only the most confident position of a row."""
+        return CommitFloor(self.config.threshold, 1)
+
 
 @register("commit", "factor")
 class FactorCommit(CommitRule):
@@ -98,3 +107,8 @@ class FactorCommit(CommitRule):
         first_fail = torch.where(fails.any(dim=1), fails.long().argmax(dim=1), n_masked - 1)
         count = first_fail + ((first_fail == 0) | (first_fail == n_masked - 1)).long()
         return CommitSelection(masked & (rank_descending(conf) < count[:, None]))
+
+    def floor(self) -> CommitFloor:
+        """Ranks 2 and later of a step need ``c ≥ 1 - factor / 3`` or more; exempt are the first and the
+        reference's extra last token."""
+        return CommitFloor(max(0.0, 1.0 - self.config.factor / 3.0), 2)
