@@ -1,5 +1,5 @@
 """Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``,
-``polestar anatomy``, ``polestar lm-eval``.
+``polestar anatomy``, ``polestar trace``, ``polestar lm-eval``.
 
 Bad input is answered before any work with one ``error: ...`` line naming the problem and the fix (exit code 2);
 a failure while working is one line too (exit code 1); ``--debug`` adds the traceback. The checks live in
@@ -33,6 +33,7 @@ from .cli_checks import (
     working,
 )
 from .plugins import load_plugins
+from .tracing.cli import add_trace_args
 
 __all__ = ["build_parser", "main", "parse_sets"]
 
@@ -340,6 +341,12 @@ def cmd_anatomy(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from polestar.tracing.cli import run_trace_cli
+
+    return run_trace_cli(args, parse_sets(args.set), decoding_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="polestar", description="Fast decoding for diffusion language models")
     parser.add_argument("--version", action="version", version=f"polestar {_package_version()}")
@@ -382,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(an, "fast-dllm,polestar", n=100, batch_size=50)
     _add_decoding_args(an, policy=False)
     an.set_defaults(func=cmd_anatomy)
+    tr = sub.add_parser("trace", help="draw what one or two policies did, step by step, for one prompt (HTML + PNG)")
+    add_trace_args(tr)
+    _add_decoding_args(tr, policy=False)
+    tr.set_defaults(func=cmd_trace)
     a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")
     a.add_argument("a", metavar="A.json")
     a.add_argument("b", metavar="B.json")

@@ -20,7 +20,7 @@ from polestar.models.backbone import DiffusionLM
 from .config import GenerationConfig
 from .policy import Pipeline
 from .schedule import transfer_counts
-from .state import DecodeState, StepRecord
+from .state import DecodeState, StepDetail, StepRecord
 from .stats import RunStats, SequenceStats
 from .step import Generation, StepRunner, Totals, block_work
 
@@ -46,7 +46,9 @@ def decode(
     :class:`GenerationConfig.stop_at_eos`) and is then frozen: no token changes, no compute counted. A sequence
     whose logits turn NaN or infinite stops at that step, commits nothing there, and carries the error in its
     :class:`SequenceStats`; the other sequences are unaffected. ``on_step`` (optional) receives a
-    :class:`~polestar.state.StepRecord` after every step (it copies the tokens, so it costs host work).
+    :class:`~polestar.state.StepRecord` after every step (it copies the tokens, so it costs host work); while it
+    is given, the stages gather a :class:`~polestar.state.StepDetail` per step (references to tensors the step
+    computes anyway, no host read).
     ``runner`` (optional): a :class:`StepRunner` to run the steps with (its step counters then cover this run).
     """
     gen = start_generation(model, prompt_ids, attention_mask, pipeline, config, stop_ids)
@@ -64,6 +66,7 @@ def decode(
         step = 0
         while True:
             before = gen.state.x.clone() if on_step is not None else None
+            gen.state.detail = StepDetail() if on_step is not None else None
             out = runner(gen, block, gen.state.block_start, gen.state.block_end, step, global_step)
             meter.add(out.cost)
             read = out.work.tolist()  # the loop's termination check: the one host read per step
@@ -154,7 +157,8 @@ def _record(gen: Generation, out, block: int, step: int, global_step: int, befor
     state, mask_id = gen.state, gen.model.spec.mask_id
     after = state.x.clone()
     return StepRecord(global_step, block, step, state.block_start, state.block_end, out.plan, out.stepped, out.masked,
-                      out.confidence, before, after, (before == mask_id) & (after != mask_id), out.origins)
+                      out.confidence, before, after, (before == mask_id) & (after != mask_id), out.origins, out.cost,
+                      state.detail)
 
 
 def _error_message(failed_at: int) -> str | None:

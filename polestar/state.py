@@ -8,6 +8,7 @@ from typing import NamedTuple
 import attrs
 import torch
 
+from polestar.models.cost import StepCost
 from polestar.models.plan import Plan
 
 from .config import GenerationConfig
@@ -135,7 +136,8 @@ class StepRecord(NamedTuple):
     positions of those rows before the commit; ``confidence``: ``[B, bl]`` float64 (``-inf`` outside ``masked``);
     ``tokens_before``/``tokens_after``: ``[B, T]`` (``tokens_after`` includes the EOS fill of finished rows);
     ``committed``: ``[B, T]`` bool, positions that held the mask token before and not after;
-    ``origins``: :class:`CommitOrigins`.
+    ``origins``: :class:`CommitOrigins`; ``cost``: the step's :class:`~polestar.models.cost.StepCost` (plain ints,
+    whole batch); ``detail``: the step's :class:`StepDetail` (what the stages gathered for observers).
     """
 
     step: int
@@ -151,6 +153,40 @@ class StepRecord(NamedTuple):
     tokens_after: torch.Tensor
     committed: torch.Tensor
     origins: CommitOrigins
+    cost: StepCost | None = None
+    detail: StepDetail | None = None
+
+
+class ClusterDrift(NamedTuple):
+    """Polestar-Cache's clusters at one layer of one sparse-update step: ``drift [B, K]`` each cluster's proxy
+    drift against the previous update, ``counts [B, K]`` members per cluster, ``chosen [B, K]`` bool the clusters
+    whose members the update recomputed (the top drifting ones, in rows due for the update), ``positions [Nw]``
+    long the window's cache positions and ``labels [B, Nw]`` long each window position's cluster (-1 invalid)."""
+
+    drift: torch.Tensor
+    counts: torch.Tensor
+    chosen: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+
+
+@attrs.define
+class StepDetail:
+    """What the stages of one step gathered for an observer (``decode(..., on_step=...)``), keyed by layer.
+
+    Filled only while an observer records (``DecodeState.detail`` is None otherwise, and no stage gathers anything):
+    the entries are references to tensors the step computes anyway, so recording adds no host read to a step.
+    ``refreshed[l]``: ``(positions [B, M] long cache positions, valid [B, M] bool)`` of the members a sparse
+    update recomputed at layer ``l`` (every sparse-update method, through
+    :class:`~polestar.policies.sparse_update.SparseUpdate`); ``clusters[l]``: Polestar-Cache's
+    :class:`ClusterDrift`; ``similarity[l]``: Elastic-Cache's ``[B]`` cosine similarity of the tracked keys'
+    attention rows with the previous step's, ``triggered[l]``: ``[B]`` bool rows whose similarity fell below
+    ``gamma`` at this layer or below (so recomputed from their first triggered layer upward)."""
+
+    refreshed: dict = attrs.field(factory=dict)
+    clusters: dict = attrs.field(factory=dict)
+    similarity: dict = attrs.field(factory=dict)
+    triggered: dict = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -166,7 +202,8 @@ class DecodeState:
     (engine → refresh selectors); ``packet``: this step's :class:`UpdatePacket` or None (refresh selector's
     forward hook → commit rule); ``random``: this step's :class:`StepRandom`; ``refresh_flags``: the refresh
     selector's flags for this step, computed on the device at the end of the previous step and read by the loop
-    with its termination check (empty at a block's first step).
+    with its termination check (empty at a block's first step); ``detail``: this step's :class:`StepDetail` while
+    an observer records, else None.
     """
 
     x: torch.Tensor
@@ -188,6 +225,7 @@ class DecodeState:
     packet: UpdatePacket | None = None
     random: StepRandom = StepRandom()
     refresh_flags: tuple[bool, ...] = ()
+    detail: StepDetail | None = None
 
     @property
     def length(self) -> int:

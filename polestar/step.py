@@ -182,6 +182,8 @@ def decode_step(gen: Generation, block_index: int, block_start: int, block_end: 
     B = state.batch_size
     plan = refresh.plan(state, cache, gen.refresh_local)
     hook = refresh.hook(state, plan, cache, model, gen.refresh_local)
+    if hook is not None and state.detail is not None:  # an observer records: the hook gathers its members too
+        hook.detail = state.detail
     probe = commit.probe(state, plan) or refresh.probe(state, plan)
     target = (plan.target_offset + gen.block_cols)[None, :].expand(B, -1)
     with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)

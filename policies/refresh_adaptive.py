@@ -175,6 +175,9 @@ class _ElasticMembers(_CandidateStrategy):
         prev = local.prev[layer]
         sim = F.cosine_similarity(now.flatten(2), prev.flatten(2), dim=-1).mean(dim=1)  # [B]
         self.triggered = self.triggered | ((sim < self.sel.config.gamma) & self.state.active)
+        if self.state.detail is not None:  # an observer records: the similarity and the rows triggered so far
+            self.state.detail.similarity[layer] = sim
+            self.state.detail.triggered[layer] = self.triggered
         local.prev[layer] = now
         local.tracked[layer] = _most_attended(model, cache, layer, qkv, self.block_slots, self.state.block_length,
                                               self.sel.config.track_num)

@@ -37,7 +37,7 @@ from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
-from polestar.state import DecodeState
+from polestar.state import ClusterDrift, DecodeState
 from polestar.streams import SideStream
 
 from .refresh_basic import block_plan, block_start_plan
@@ -349,6 +349,7 @@ class _PolestarMembers(MemberStrategy):
         self.wants_head = sel.packet_logits
         self.x = state.x
         self.n_kv = 0
+        self.detail = state.detail
 
     def slots(self, rows: torch.Tensor) -> torch.Tensor:
         return self.row_slot[rows]
@@ -397,6 +398,9 @@ class _PolestarMembers(MemberStrategy):
         chosen = (label_rank < min(k, rank.shape[1])) & (counts.gather(1, labels.clamp_min(0)) > 0)
         member = self.window.valid & (labels >= 0) & chosen & self.due[:, None]
         rows, valid = to_capacity(member, label_rank, self.capacity[layer], self.trash)
+        if self.detail is not None:  # an observer records: every cluster's drift and the chosen ones
+            chosen_clusters = (rank < min(k, rank.shape[1])) & (counts > 0) & self.due[:, None]
+            self.detail.clusters[layer] = ClusterDrift(drift, counts, chosen_clusters, self.window.positions, labels)
         with scope("store"):
             q = local.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
         inputs = None

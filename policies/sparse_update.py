@@ -186,6 +186,8 @@ class SparseUpdate(LayerHook):
             q = self.model.project_queries(layer, inputs, positions, qkv.meter)
         self.current = (sel.rows, sel.valid)
         self.evals += sel.valid.sum(-1)
+        if self.detail is not None:  # an observer records: the members' cache positions
+            self.detail.refreshed[layer] = (self.strategy.slots(sel.rows), sel.valid)
         return MemberRows(q, inputs)
 
     def after_layer(self, layer: int, out: torch.Tensor) -> None:

@@ -1,0 +1,266 @@
+"""``polestar trace``: the figure data agree with the engine's records for every registered policy (commit steps,
+origins, confidences, recomputed positions, Polestar-Cache's clusters, Elastic-Cache's trigger, per-step cost),
+recording adds no host read to a step, the command writes its files (also with a plugin stage), and the page
+loads in a real headless browser (Debian's chromium) with no console message and a non-blank screenshot."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import polestar
+from polestar import policy, registry
+from polestar.cli import main
+from polestar.config import GenerationConfig
+from polestar.engine import decode
+from polestar.policy import assemble, policy_names
+from polestar.tracing.figures import first_difference, policy_figures
+from polestar.tracing.record import ORIGINS, TraceRecorder
+from tests.conftest import make_model
+from tests.host_reads import count_host_reads
+
+PROMPT = [5, 7, 1, 3, 9, 2, 4]
+DECODING = dict(gen_length=24, block_length=8, threshold=0.3)
+
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def small_model(request):
+    return make_model(request.param, seed=3, n_layers=2, d_model=32)
+
+
+def _decode(model, name: str):
+    """Decode ``PROMPT`` keeping both the raw records and the trace's figure data."""
+    threshold = getattr(assemble(name, {"threshold?": 0.3}).commit.config, "threshold", None)
+    recorder = TraceRecorder(threshold, model.spec.n_layers)
+    records = []
+
+    def observe(record):
+        records.append(record)
+        recorder(record)
+
+    out = polestar.generate(model, [PROMPT], policy=name, on_step=observe, **DECODING)
+    final = out.tokens[0].tolist()
+    figures = policy_figures(name, {}, recorder.steps, out.prompt_len, DECODING["block_length"], final,
+                             [str(t) for t in final], "", model.spec.n_layers)
+    return out, records, figures, threshold
+
+
+def _positions(index: torch.Tensor, valid: torch.Tensor) -> set[int]:
+    return {int(p) for p, ok in zip(index.flatten(), valid.flatten()) if ok}
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_figures_agree_with_the_records(small_model, name):
+    out, records, fig, tau = _decode(small_model, name)
+    spec, P = small_model.spec, out.prompt_len
+    cells = {c.position: c for c in fig.commit.cells}
+    # commit steps: every position committed once, at the step whose record committed it
+    expected_step = {int(p): r.step for r in records for p in range(P, r.committed.shape[1]) if r.committed[0, p]}
+    assert {p: c.step for p, c in cells.items()} == expected_step
+    assert all(c.token == out.tokens[0, c.position] for c in cells.values())
+    assert fig.nfe == len(records) == out.stats.nfe
+    for r in records:
+        o = r.origins
+        mine = {p: c for p, c in cells.items() if c.step == r.step}
+        suffix = set() if o.suffix is None else {int(p) for p, ok in zip(o.suffix.positions[0], o.suffix.commit[0]) if ok}
+        block = {r.block_start + j for j in range(o.rule.shape[1]) if o.block[0, j]}
+        assert {p for p, c in mine.items() if c.origin == "suffix"} == suffix
+        assert {p for p, c in mine.items() if c.origin in ("early", "forced", "confident", "rule")} == block
+        assert {p for p, c in mine.items() if c.origin == "eos"} == set(mine) - suffix - block
+        assert all(int(out.tokens[0, p]) == spec.eos_id for p, c in mine.items() if c.origin == "eos")
+        top = float(r.confidence[0].max()) if r.masked[0].any() else None
+        for p, c in mine.items():
+            if p in block:  # confidence at commit is the step's confidence of that block column
+                assert c.confidence == pytest.approx(float(r.confidence[0, p - r.block_start]))
+            if c.origin == "confident":
+                assert tau is not None and c.confidence >= tau
+            if c.origin == "forced":  # the row's most confident masked position, below τ unless the engine forced it
+                assert c.confidence == pytest.approx(top)
+                assert o.forced[0, p - r.block_start] or c.confidence < tau
+            if c.origin == "early":
+                assert o.early is not None and o.early[0, p - r.block_start]
+            if c.origin == "rule":
+                assert tau is None or c.confidence < tau
+        assert sum(c.origin == "forced" for c in mine.values()) <= 1
+    # positions still masked in the block at a step that did not commit them
+    waiting = {(int(r.block_start + j), r.step) for r in records for j in range(r.masked.shape[1])
+               if r.masked[0, j] and not r.origins.block[0, j]}
+    assert set(fig.commit.waiting) == waiting
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_recomputed_positions_agree_with_the_records_and_the_counters(small_model, name):
+    out, records, fig, _ = _decode(small_model, name)
+    n_layers = small_model.spec.n_layers
+    grid = fig.refresh
+    for r in records:
+        for layer in range(n_layers):
+            index, valid = r.plan.at(layer)
+            assert set(grid.computed[layer][r.step]) == _positions(index[0], valid[0])
+            members = set() if layer not in r.detail.refreshed else _positions(*(t[0] for t in r.detail.refreshed[layer]))
+            assert set(grid.refreshed[layer][r.step]) == members
+    # every row through a layer's MLP, counted by the engine, is a plan column or a sparse update's member
+    drawn = sum(len(cols) for layer in grid.computed for cols in layer) + \
+        sum(len(cols) for layer in grid.refreshed for cols in layer)
+    assert drawn == out.stats.sequences[0].token_layer_evals
+    assert [c for c in fig.cost.layer_rows] == [r.cost.layer_rows for r in records]
+    assert [c for c in fig.cost.proxy_rows] == [r.cost.probe_rows for r in records]
+    assert sum(fig.cost.weight_bytes) == out.stats.weight_bytes
+    refresh = assemble(name).refresh.name
+    assert (fig.drift is not None) == (refresh == "polestar" and grid.has_updates)
+    assert (fig.trigger is not None) == (refresh == "elastic" and any(r.block_step > 0 for r in records))
+    if fig.drift is not None:  # Polestar-Cache recomputes members of its chosen (most drifting) clusters only
+        steps = [s for s in records if s.detail.clusters]
+        assert list(fig.drift.steps) == [s.step for s in steps]
+        for i, r in enumerate(steps):
+            for layer in range(n_layers):
+                c = r.detail.clusters[layer]
+                assert list(fig.drift.drift[layer][i]) == pytest.approx(c.drift[0].tolist())
+                chosen = {int(c.positions[j]) for j in range(c.labels.shape[1])
+                          if c.labels[0, j] >= 0 and c.chosen[0, c.labels[0, j]]}
+                assert set(grid.refreshed[layer][r.step]) <= chosen
+    if fig.trigger is not None:  # Elastic-Cache recomputes from its trigger layer upward, nothing below it
+        for step, trigger in zip(fig.trigger.steps, fig.trigger.trigger):
+            for layer in range(n_layers):
+                assert bool(grid.refreshed[layer][step]) == (trigger is not None and layer >= trigger)
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_recording_adds_no_host_read_to_a_step(small_model, name):
+    """With an observer the stages gather their details (references, no read): the loop still reads once per
+    step, once before the first and once for the counters, as without one."""
+    ids, mask = polestar.encode_prompts(small_model, [PROMPT])
+    config = GenerationConfig(DECODING["gen_length"], DECODING["block_length"])
+    details = []
+    with count_host_reads() as reads:
+        _, stats = decode(small_model, ids, mask, assemble(name, {"threshold?": 0.3}), config,
+                          on_step=lambda record: details.append(record.detail))
+    assert len(reads) == stats.nfe + 2, reads
+    assert len(details) == stats.nfe and all(d is not None for d in details)
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.fixture(scope="module")
+def sudoku_trace(tmp_path_factory):
+    """The documented trace: fast-dllm vs polestar on tiny-llada-noisy's first sudoku test item, via the CLI."""
+    out = tmp_path_factory.mktemp("trace")
+    args = ["trace", "--model", "tiny-llada-noisy", "--task", "sudoku", "--index", "0", "--policies",
+            "fast-dllm,polestar", "--out", str(out)]
+    assert main(args) == 0
+    return out
+
+
+def test_the_command_writes_the_page_the_data_and_the_figures(sudoku_trace):
+    names = {p.name for p in sudoku_trace.iterdir()}
+    assert {"trace.html", "trace.json", "commits.png", "recompute-fast-dllm.png", "recompute-polestar.png",
+            "drift-polestar.png", "cost.png"} <= names
+    data = json.loads((sudoku_trace / "trace.json").read_text())
+    assert [f["policy"] for f in data["figures"]] == ["fast-dllm", "polestar"]
+    a, b = (f["tokens"][data["prompt_len"]:] for f in data["figures"])
+    diff = first_difference(a, b)
+    assert data["first_difference"] == (None if diff is None else data["prompt_len"] + diff)
+    page = (sudoku_trace / "trace.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)  # self-contained: nothing fetched
+    assert page.count("<svg") >= 2 + 2 * 2 + 2 + 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "fast-dllm,polestar,eb"], "one policy or two"),
+    (["--policies", "fast-dllm", "--index", "0"], "--index picks an item of --task"),
+    (["--policies", "fast-dllm", "--task", "sudoku", "--compile"], "drop --compile"),
+    (["--policies", "fast-dllm", "--policy", "eb", "--task", "sudoku"], "takes --policies"),
+    (["--policies", "fast-dllm,eb", "--task", "sudoku", "--set", "refresh.topk=3"], "topk"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, argv, message):
+    assert main(["trace", "--model", "tiny-llada", "--out", str(tmp_path / "t"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "t").exists()
+
+
+PLUGIN = textwrap.dedent('''
+    import attrs
+
+    from polestar.policies.drift import DriftMetric
+    from polestar.registry import register
+
+
+    @register("drift", "trace-l1")
+    class L1Drift(DriftMetric):
+        """Half the L1 distance of attention rows, averaged over heads: ``[B, H, R, T]`` twice -> ``[B, R]``."""
+
+        @attrs.frozen
+        class Config:
+            pass
+
+        def score(self, cur, prev):
+            return (cur.float() - prev.float()).abs().sum(-1).mul(0.5).mean(dim=1)
+''')
+
+
+@pytest.fixture
+def isolated_registry():
+    """Stages, policies and modules a test registers are removed afterwards."""
+    stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
+    policies = dict(policy._POLICIES)
+    modules = set(sys.modules)
+    yield
+    for kind, table in stages.items():
+        registry._REGISTRY[kind].clear()
+        registry._REGISTRY[kind].update(table)
+    policy._POLICIES.clear()
+    policy._POLICIES.update(policies)
+    for name in set(sys.modules) - modules:
+        del sys.modules[name]
+
+
+def test_a_plugin_stage_is_traced(tmp_path, isolated_registry):
+    plugin = tmp_path / "trace_l1.py"
+    plugin.write_text(PLUGIN)
+    out = tmp_path / "out"
+    assert main(["trace", "--plugin", str(plugin), "--model", "tiny-llada", "--task", "arith", "--index", "1",
+                 "--policies", "polestar", "--set", "drift=trace-l1", "--gen-length", "32", "--no-png",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "trace.json").read_text())
+    (fig,) = data["figures"]
+    assert fig["stages"]["drift"] == "trace-l1"
+    assert {c["origin"] for c in fig["commit"]["cells"]} <= set(ORIGINS)
+    assert fig["drift"] is not None and not list(out.glob("*.png"))
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "the page check needs Debian's chromium: apt-get install -y chromium (.ci/run installs it)"
+    return path
+
+
+def test_the_page_loads_in_a_headless_browser(sudoku_trace, tmp_path):
+    from PIL import Image
+
+    page = (sudoku_trace / "trace.html").as_uri()
+    shot = tmp_path / "page.png"
+    flags = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--enable-logging=stderr", "--v=0", "--window-size=1400,1800"]
+    run = subprocess.run([*flags, f"--screenshot={shot}", page], capture_output=True, text=True, timeout=120)
+    console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
+    assert console == [], console  # the page logs nothing: no error, no uncaught exception
+    dom = subprocess.run([*flags, "--dump-dom", page], capture_output=True, text=True, timeout=120)
+    assert 'data-ready="1"' in dom.stdout  # its script ran to the end
+    assert [line for line in dom.stderr.splitlines() if ":CONSOLE" in line] == []
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1400, 1800)
+    colors = image.getcolors(maxcolors=1 << 20)
+    assert len(colors) > 50  # drawn, not blank
+    assert max(count for count, _ in colors) < 0.95 * image.size[0] * image.size[1]
