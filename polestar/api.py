@@ -128,6 +128,7 @@ def generate(
     chat: bool = False,
     system: str | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
+    check_stages: bool | None = None,
     **overrides: Any,
 ) -> GenerationOutput:
     """Decode ``prompts`` with ``policy``: a registered policy name (see ``polestar policies``) or a
@@ -143,6 +144,8 @@ def generate(
     (``system``: optional system turn). A sequence stops at EOS or at the chat format's end-of-turn token
     (``model.text_defaults.stop_ids``). ``temperature`` None takes ``generation_config.json``'s value, else 0. ``on_step`` receives a
     :class:`~polestar.state.StepRecord` after every step (for tests and diagnostics such as ``polestar anatomy``).
+    ``check_stages=True`` checks every stage output against its contract (:mod:`polestar.contracts`; default: the
+    environment variable ``POLESTAR_CHECK_STAGES``).
     """
     defaults = getattr(model, "text_defaults", None)
     if temperature is None:
@@ -158,7 +161,7 @@ def generate(
     else:
         if threshold is not None:
             overrides.setdefault("threshold?", threshold)
-        pipeline = assemble(policy, overrides)
+        pipeline = assemble(policy, overrides, check_stages=check_stages)
     ids, mask = encode_prompts(model, prompts, chat=chat, system=system)
     total = ids.shape[1] + gen_length
     if total > model.spec.max_seq_len:

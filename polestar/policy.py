@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from . import registry
+from . import contracts, registry
 from .registry import UnknownNameError
 
 # stage kinds a policy composes, in the order they are assembled
@@ -64,7 +64,7 @@ class Pipeline:
         return {kind: {"name": st.name, **attrs.asdict(st.config)} for kind, st in self.stages.items()}
 
 
-def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
+def assemble(policy: str, overrides: dict[str, Any] | None = None, check_stages: bool | None = None) -> Pipeline:
     """Build the stages of ``policy`` with ``overrides``.
 
     An override whose key is a stage kind (``refresh=elastic``) swaps that stage; ``kind.option=value`` sets an
@@ -73,7 +73,9 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
     only in a policy that has a ``quant`` stage, ``refresh.topk?=8`` and ``threshold?=0.8`` set the option only
     where a stage has it, and neither is an error elsewhere (``polestar bench`` passes ``--set`` this way, so one
     setting can apply to several policies). A swap of a composed kind (drift, cluster, quant, offload) that no
-    stage of the policy reads is an error naming the stages that would read it.
+    stage of the policy reads is an error naming the stages that would read it. ``check_stages`` (default: the
+    environment variable ``POLESTAR_CHECK_STAGES``) checks every stage output against its kind's contract
+    (:mod:`polestar.contracts`; the step then runs eagerly).
     """
     spec = get_policy(policy)
     overrides = dict(overrides or {})
@@ -111,6 +113,8 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None) -> Pipeline:
         for kind in targets:
             options[kind][key] = value
     stages = {kind: registry.build(kind, name, **options[kind]) for kind, name in chosen.items()}
+    if contracts.enabled(check_stages):
+        stages = {kind: contracts.checked(stage) for kind, stage in stages.items()}
     for stage in stages.values():
         stage.bind(stages)
     return Pipeline(policy, stages)

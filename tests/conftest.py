@@ -1,10 +1,13 @@
 import os
+import sys
 
 import pytest
 import torch
 
 import polestar
-from polestar.models.loading import build_model, shipped_checkpoints
+from polestar import policy, registry
+from polestar import testing as _testing
+from polestar.models.loading import shipped_checkpoints
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise. The suite runs on a 2-core machine that other jobs
 # share; there torch's default pool (one thread per core) spins on the core it does not get, and the same decode
@@ -13,19 +16,9 @@ from polestar.models.loading import build_model, shipped_checkpoints
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
-TINY = dict(
-    n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, mlp_hidden=64, vocab_size=40, embedding_size=40,
-    rope_theta=10000.0, norm_eps=1e-5, max_seq_len=256, mask_id=39, eos_id=38, pad_id=38,
-)
-
-
-def make_model(family: str, seed: int = 0, **over):
-    kw = dict(TINY)
-    if family == "dream":
-        kw.update(n_kv_heads=2, rope_theta=1e6, qkv_bias=True)
-    kw.update(over)
-    torch.manual_seed(seed)
-    return build_model(family, kw, seed=seed)
+# the small random models every engine test decodes with (polestar.testing builds them for outside stages too)
+TINY = _testing.TINY
+make_model = _testing.tiny_model
 
 
 @pytest.fixture(params=["llada", "dream"])
@@ -45,3 +38,21 @@ def shipped_models():
     Decoding never changes a model's weights, so every test that decodes with a shipped checkpoint shares these.
     """
     return {name: polestar.load(name) for name in shipped_checkpoints()}
+
+
+@pytest.fixture
+def isolated_registry():
+    """Stages, policies and modules (named ``hellinger*``) a test registers are removed afterwards (other tests see
+    the built-ins)."""
+    stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
+    policies = dict(policy._POLICIES)
+    modules = set(sys.modules)
+    yield
+    for kind, table in stages.items():
+        registry._REGISTRY[kind].clear()
+        registry._REGISTRY[kind].update(table)
+    policy._POLICIES.clear()
+    policy._POLICIES.update(policies)
+    for name in set(sys.modules) - modules:
+        if name.startswith("hellinger"):
+            del sys.modules[name]

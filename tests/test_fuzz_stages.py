@@ -1,6 +1,7 @@
 """Invariants of every registered drift and quant stage, fuzzed with hypothesis.
 
-Parametrized from ``polestar.registry.names(kind)``, so a newly registered stage is covered without editing this
+The checks are :mod:`polestar.testing`'s (the ones ``check_stage`` runs on an outside stage), here on inputs drawn by
+hypothesis. Parametrized from ``polestar.registry.names(kind)``, so a newly registered stage is covered without editing this
 file (a quant format must add its error bound to ``QUANT_BOUNDS``; an unknown format fails loudly).
 
 * drift: ``score(cur, prev) [B, R]`` is finite and ≥ 0; it is 0 when ``cur == prev`` — or, for a metric that
@@ -22,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polestar import registry
+from polestar.testing import attention_pair, check_drift_metric, check_quant_round_trip
 
 FUZZ = settings(max_examples=30, deadline=None, derandomize=True)
 
@@ -53,27 +55,14 @@ def attention_pairs(draw):
     b, h, r, t = (draw(st.integers(1, n)) for n in (2, 3, 3, 24))
     seed = draw(st.integers(0, 2**31 - 1))
     sharp = draw(st.sampled_from([0.1, 1.0, 8.0]))  # near-uniform to near-one-hot rows
-    gen = torch.Generator().manual_seed(seed)
-    cur = (torch.randn(b, h, r, t, generator=gen) * sharp).softmax(-1)
-    prev = (torch.randn(b, h, r, t, generator=gen) * sharp).softmax(-1)
-    return cur, prev
+    return attention_pair(torch.Generator().manual_seed(seed), b, h, r, t, sharp)
 
 
 @pytest.mark.parametrize("name", registry.names("drift"))
 @FUZZ
 @given(pair=attention_pairs())
 def test_drift_is_non_negative_and_zero_on_equal_inputs(name, pair):
-    metric = registry.build("drift", name)
-    cur, prev = pair
-    score = metric.score(cur, prev)
-    assert score.shape == cur.shape[:1] + cur.shape[2:3]
-    assert torch.isfinite(score).all() and (score >= 0).all()
-    ignores_prev = torch.equal(score, metric.score(cur, cur.flip(-1)))
-    if not ignores_prev:
-        assert torch.allclose(metric.score(cur, cur), torch.zeros_like(score), atol=1e-5)
-    else:  # a single-distribution measure: zero exactly on certain (one-hot) rows
-        onehot = torch.nn.functional.one_hot(cur.argmax(-1), cur.shape[-1]).float()
-        assert torch.allclose(metric.score(onehot, onehot), torch.zeros_like(score), atol=1e-5)
+    check_drift_metric(registry.build("drift", name), *pair)
 
 
 @st.composite
@@ -98,10 +87,8 @@ def test_every_quant_stage_has_a_bound():
 @given(x=residuals())
 def test_quant_round_trip_error_is_bounded(name, x):
     stage = registry.build("quant", name)
+    check_quant_round_trip(stage, x)  # shape, dtype, exact when lossless, deterministic, leaves round trip
     y = stage.decode(stage.encode(x))
-    assert y.shape == x.shape and y.dtype == x.dtype
     err = (y.float() - x.float()).abs()
     bound = QUANT_BOUNDS[name](x)
     assert (err <= bound * (1 + 1e-5) + 1e-30).all(), f"{name}: max excess {(err - bound).max().item():.3g}"
-    if stage.lossless:
-        assert torch.equal(y, x)

@@ -12,7 +12,7 @@ import textwrap
 import attrs
 import pytest
 
-from polestar import plugins, policy, registry
+from polestar import plugins, registry
 from polestar.cli import main
 from polestar.evaluation.cli import run_lm_eval
 from polestar.evaluation.tasks import write_task_dir
@@ -43,23 +43,6 @@ HELLINGER = textwrap.dedent('''
 ''')
 
 FAST = ["--gen-length", "16", "--block-length", "16", "--seed", "0"]
-
-
-@pytest.fixture
-def isolated_registry():
-    """Stages, policies and modules a test registers are removed afterwards (other tests see the built-ins)."""
-    stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
-    policies = dict(policy._POLICIES)
-    modules = set(sys.modules)
-    yield
-    for kind, table in stages.items():
-        registry._REGISTRY[kind].clear()
-        registry._REGISTRY[kind].update(table)
-    policy._POLICIES.clear()
-    policy._POLICIES.update(policies)
-    for name in set(sys.modules) - modules:
-        if name.startswith("hellinger"):
-            del sys.modules[name]
 
 
 @pytest.fixture

@@ -1,0 +1,376 @@
+"""Checks a researcher points at a stage of their own, and the pytest plugin that runs them.
+
+``check_stage("drift", "hellinger")`` runs, for the registered stage ``kind`` / ``name``:
+
+* ``contract``: fuzzed inputs of the kind's shapes (seeded draws: sizes, sharp and flat distributions, magnitudes)
+  through the stage with :mod:`polestar.contracts` checking every output, plus the kind's invariants (a drift is 0
+  on equal inputs, or on one-hot rows for a metric that ignores ``prev``; a lossless quantizer is exact; an
+  offloader reads back the rows it wrote; clusterers label valid positions only);
+* ``pure``: the same inputs give the same outputs (stages are pure functions of their inputs; a clusterer of its
+  generator's seed);
+* ``invariants``: decoding with the stage swapped into a policy that reads its kind (:func:`host_policy`) keeps the
+  engine's invariants at every step (:func:`check_step`), with every stage output checked;
+* ``determinism``: the same seed gives the same tokens (greedy and sampled);
+* ``batch-invariance``: a prompt decodes to the same tokens alone and in a batch with a prompt of another length.
+
+Each check raises AssertionError (or :class:`~polestar.contracts.StageContractError`) with one message naming the
+stage. The models are the small random LLaDA and Dream of :func:`tiny_model` (no checkpoint needed).
+
+The pytest plugin (``pytest -p polestar.testing``; installed as a ``pytest11`` entry point) adds
+``--polestar-stage KIND:NAME`` (repeatable; one test per check), ``--polestar-plugin MODULE_OR_FILE`` (imported
+first, as ``polestar --plugin``) and ``--polestar-checks contract,pure`` (a subset of :data:`CHECKS`)::
+
+    pytest -p polestar.testing --polestar-plugin mydrift.py --polestar-stage drift:hellinger
+
+The project's own registry-parametrized tests call the same functions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import polestar
+from polestar import contracts, registry
+from polestar.models.loading import build_model
+from polestar.plugins import load_plugins
+from polestar.policy import get_policy
+
+#: the small random model's spec (token ids 38 / 39 are EOS / mask): fast enough for many decodes per test
+TINY = dict(
+    n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, mlp_hidden=64, vocab_size=40, embedding_size=40,
+    rope_theta=10000.0, norm_eps=1e-5, max_seq_len=256, mask_id=39, eos_id=38, pad_id=38,
+)
+
+#: prompts of different lengths (below the special ids), so that the batch-invariance check exercises left padding
+PROMPTS = [[5, 17, 3], [9, 1, 22, 30, 4, 11, 2]]
+
+CHECKS = ("contract", "pure", "invariants", "determinism", "batch-invariance")
+
+
+def tiny_model(family: str = "llada", seed: int = 0, **over: Any):
+    """A small random LLaDA (``family="llada"``) or Dream model (grouped K/V, QKV bias) with :data:`TINY`'s spec."""
+    kw = dict(TINY)
+    if family == "dream":
+        kw.update(n_kv_heads=2, rope_theta=1e6, qkv_bias=True)
+    kw.update(over)
+    torch.manual_seed(seed)
+    return build_model(family, kw, seed=seed)
+
+
+@functools.cache
+def _shared_model(family: str):
+    return tiny_model(family, seed=31)
+
+
+def host_policy(kind: str) -> str:
+    """The policy a stage of ``kind`` is swapped into: ``fast-dllm`` when it has that kind, else the first
+    registered policy that has one (a drift stage goes where a stage reads drift)."""
+    if kind in get_policy("fast-dllm").stages:
+        return "fast-dllm"
+    return next(p for p in polestar.policy_names() if kind in get_policy(p).stages)
+
+
+# ----------------------------------------------------------------------------------------------- stage level
+
+
+def attention_pair(gen: torch.Generator, b: int, h: int, r: int, t: int, sharp: float):
+    """Two attention tensors ``[B, H, R, T]`` (softmax rows), ``sharp`` from near-uniform (0.1) to near-one-hot."""
+    cur = (torch.randn(b, h, r, t, generator=gen) * sharp).softmax(-1)
+    prev = (torch.randn(b, h, r, t, generator=gen) * sharp).softmax(-1)
+    return cur, prev
+
+
+def check_drift_metric(metric, cur: torch.Tensor, prev: torch.Tensor) -> None:
+    """A drift on one input pair: the contract (``[B, R]``, finite, ≥ 0), the same scores twice, and 0 on equal
+    inputs — or, for a metric that ignores ``prev``, 0 on one-hot rows."""
+    metric = contracts.checked(_fresh(metric))
+    score = metric.score(cur, prev)
+    again = metric.score(cur.clone(), prev.clone())
+    assert torch.equal(score, again), f"drift stage {metric.name!r} is not deterministic: the same inputs scored " \
+        f"differently (max difference {(score - again).abs().max().item():.3g})"
+    ignores_prev = torch.equal(score, metric.score(cur, cur.flip(-1)))
+    probe = cur if not ignores_prev else torch.nn.functional.one_hot(cur.argmax(-1), cur.shape[-1]).float()
+    zero = metric.score(probe, probe)
+    assert torch.allclose(zero, torch.zeros_like(zero), atol=1e-5), (
+        f"drift stage {metric.name!r} is not 0 on equal inputs (max {zero.abs().max().item():.3g})")
+
+
+def check_quant_round_trip(stage, x: torch.Tensor) -> None:
+    """``decode(encode(x))``: ``x``'s shape and dtype, exact for a lossless quantizer, the same twice, and
+    ``from_leaves(to_leaves(...))`` decodes to the same values."""
+    stage = _fresh(stage)
+    y = stage.decode(stage.encode(x))
+    contracts.check_quant_round_trip(stage, x, y)
+    assert torch.isfinite(y).all(), f"quant stage {stage.name!r} decoded non-finite values from finite input"
+    if stage.lossless:
+        assert torch.equal(y, x), f"quant stage {stage.name!r} is declared lossless but changed values"
+    assert torch.equal(y, stage.decode(stage.encode(x.clone()))), f"quant stage {stage.name!r} is not deterministic"
+    leaves = stage.to_leaves(stage.encode(x))
+    rebuilt = stage.decode(stage.from_leaves(tuple(leaves), x.shape[-1], x.dtype))
+    assert torch.equal(rebuilt, y), f"quant stage {stage.name!r}: from_leaves(to_leaves(...)) decodes differently"
+
+
+def check_clusterer(stage, x: torch.Tensor, k: int, valid: torch.Tensor, seed: int) -> None:
+    """One clustering: the contract, counts that match the labels, and the same result for the same seed."""
+    stage = contracts.checked(_fresh(stage))
+
+    def run():
+        gen = torch.Generator().manual_seed(seed)
+        keys = torch.rand(x.shape[0], x.shape[1], generator=gen) if stage.needs_keys else None
+        return stage.cluster(x, k, valid, gen, keys)
+
+    centroids, labels, counts = run()
+    onehot = torch.nn.functional.one_hot(labels.clamp_min(0).long(), k) * (labels >= 0)[..., None]
+    assert torch.equal(onehot.sum(1).to(counts.dtype), counts), f"cluster stage {stage.name!r}: counts do not " \
+        "match the labels"
+    again = run()
+    assert all(torch.equal(a, b) for a, b in zip((centroids, labels, counts), again)), (
+        f"cluster stage {stage.name!r} is not deterministic for a fixed generator seed")
+
+
+def check_offloader(stage, leaves: Sequence[torch.Tensor], rows: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
+    """``alloc(leaves)``, ``write_rows(rows, values)`` then ``read_rows(rows)`` gives the values back; unwritten
+    rows keep ``leaves``' values."""
+    stage = contracts.checked(_fresh(stage))
+    stored = stage.alloc(tuple(leaves))
+    stage.write_rows(stored, rows, tuple(values))
+    back = stage.read_rows(stored, rows, leaves[0].device)
+    assert all(torch.equal(a, b) for a, b in zip(back, values)), f"offload stage {stage.name!r} read back other " \
+        "values than it wrote"
+    others = torch.ones(leaves[0].shape[:2], dtype=torch.bool).scatter_(1, rows, False)
+    keep = torch.stack([torch.arange(leaves[0].shape[1])[o] for o in others]) if others.any() else None
+    if keep is not None and keep.shape[1] > 0:
+        kept = stage.read_rows(stored, keep, leaves[0].device)
+        assert all(torch.equal(a, b.gather(1, _expand(keep, b))) for a, b in zip(kept, leaves)), (
+            f"offload stage {stage.name!r} changed rows it was not asked to write")
+
+
+def _expand(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return rows.view(*rows.shape, *([1] * (like.dim() - 2))).expand(*rows.shape, *like.shape[2:])
+
+
+def _fresh(stage):
+    """A new instance of ``stage``'s class with its config (an unchecked stage, whatever was wrapped)."""
+    return type(stage)(stage.config)
+
+
+def _contract_drift(name: str, gen: torch.Generator, examples: int) -> None:
+    metric = registry.build("drift", name)
+    for i in range(examples):
+        b, h, r, t = (int(torch.randint(1, n + 1, (1,), generator=gen)) for n in (2, 3, 3, 24))
+        check_drift_metric(metric, *attention_pair(gen, b, h, r, t, (0.1, 1.0, 8.0)[i % 3]))
+
+
+def _contract_quant(name: str, gen: torch.Generator, examples: int) -> None:
+    stage = registry.build("quant", name)
+    for i in range(examples):
+        n, d = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 49, (1,), generator=gen))
+        x = torch.randn(n, d, generator=gen) * (1e-4, 1.0, 300.0)[i % 3]
+        if i % 2:
+            x[0] = 0.0
+        check_quant_round_trip(stage, x)
+
+
+def _contract_cluster(name: str, gen: torch.Generator, examples: int) -> None:
+    stage = registry.build("cluster", name)
+    for i in range(examples):
+        g, n, d = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 3), (2, 17), (2, 9)))
+        k = int(torch.randint(1, n + 1, (1,), generator=gen))
+        valid = torch.ones(g, n, dtype=torch.bool)
+        if i % 2:  # a padded tail in every group, at least k positions left
+            valid[:, max(k, n - int(torch.randint(0, n, (1,), generator=gen))):] = False
+        check_clusterer(stage, torch.randn(g, n, d, generator=gen), k, valid, seed=i)
+
+
+def _contract_offload(name: str, gen: torch.Generator, examples: int) -> None:
+    stage = registry.build("offload", name)
+    for _ in range(examples):
+        b, n, m = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 3), (2, 9), (1, 3)))
+        m = min(m, n)
+        leaves = (torch.randn(b, n, 4, generator=gen), torch.randint(0, 255, (b, n, 2), generator=gen).to(torch.uint8))
+        rows = torch.stack([torch.randperm(n, generator=gen)[:m] for _ in range(b)])
+        values = (torch.randn(b, m, 4, generator=gen), torch.randint(0, 255, (b, m, 2), generator=gen).to(torch.uint8))
+        check_offloader(stage, leaves, rows, values)
+
+
+#: kind → its stage-level contract check (refresh and commit stages are checked in the decoding loop instead)
+_CONTRACTS: dict[str, Callable[[str, torch.Generator, int], None]] = {
+    "drift": _contract_drift, "quant": _contract_quant, "cluster": _contract_cluster, "offload": _contract_offload,
+}
+
+
+def check_contract(kind: str, name: str, examples: int = 12, seed: int = 0) -> None:
+    """The stage-level contract of ``kind`` / ``name`` on ``examples`` seeded random inputs (the ``contract`` and
+    ``pure`` checks); for refresh and commit stages, one checked decode (their inputs are a decoding state)."""
+    registry.lookup(kind, name)
+    gen = torch.Generator().manual_seed(seed)
+    if kind in _CONTRACTS:
+        _CONTRACTS[kind](name, gen, examples)
+    else:
+        polestar.generate(_shared_model("llada"), PROMPTS, policy=host_policy(kind), gen_length=16, block_length=8,
+                          check_stages=True, **{kind: name})
+
+
+# ----------------------------------------------------------------------------------------------- engine level
+
+
+def check_step(record, mask_id: int, eos_id: int) -> None:
+    """The engine's invariants of one step (a :class:`~polestar.state.StepRecord`): committed tokens never change,
+    frozen rows not at all; every active row commits at least one token of its block; the typed origins account for
+    every commit (else it is the EOS fill of a finished row); the plan names real positions of active rows only."""
+    before, after, active = record.tokens_before, record.tokens_after, record.active
+    T = before.shape[1]
+    fixed = before != mask_id
+    assert (after[fixed] == before[fixed]).all(), "a committed token changed"
+    assert (after[~active] == before[~active]).all(), "a frozen row changed"
+    in_block = record.committed[:, record.block_start : record.block_end]
+    assert in_block[active].any(dim=1).all(), "an active row committed nothing in its block"
+    origin = record.origins.block
+    assert (in_block | ~origin).all(), "an origin names a position that was not committed"
+    assert (after[:, record.block_start : record.block_end][in_block & ~origin] == eos_id).all(), (
+        "a commit without an origin that is not the EOS fill")
+    plan = record.plan
+    valid = plan.valid.reshape(-1, *plan.valid.shape[-2:])
+    index = plan.index.reshape(-1, *plan.index.shape[-2:])
+    assert ((index[valid] >= 0) & (index[valid] < T)).all(), "the plan names a position outside the sequence"
+    assert not valid[:, ~active].any(), "the plan recomputes a frozen row"
+
+
+def check_decode_invariants(model, policy: str, prompts, swap: dict[str, Any] | None = None, gen_length: int = 16,
+                            block_length: int = 8, **decoding: Any):
+    """Decode ``prompts`` with every stage output checked and :func:`check_step` on every step; each sequence
+    terminates within ``gen_length`` forward passes with every position decided. Returns the output."""
+    records: list = []
+    out = polestar.generate(model, prompts, policy=policy, gen_length=gen_length, block_length=block_length,
+                            on_step=records.append, check_stages=True, **decoding, **(swap or {}))
+    mask_id, eos_id = model.spec.mask_id, model.spec.eos_id
+    for record in records:
+        check_step(record, mask_id, eos_id)
+    assert out.stats.nfe == len(records) <= gen_length, f"{policy}: {out.stats.nfe} steps for {gen_length} tokens"
+    for i, seq in enumerate(out.stats.sequences):
+        assert seq.nfe == sum(int(r.active[i]) for r in records) <= gen_length
+        assert seq.error is None, f"{policy}: sequence {i} stopped early: {seq.error}"
+    assert (out.generations != mask_id).all(), f"{policy}: a generated position was left masked"
+    assert torch.equal(out.tokens, records[-1].tokens_after)
+    return out
+
+
+def check_determinism(model, policy: str, swap: dict[str, Any] | None = None, temperature: float = 0.0,
+                      prompts=PROMPTS, gen_length: int = 16, block_length: int = 8) -> None:
+    """The same seed gives the same tokens and step counts (sampled too, with ``temperature`` > 0)."""
+    runs = [polestar.generate(model, prompts, policy=policy, temperature=temperature, seed=7, gen_length=gen_length,
+                              block_length=block_length, **(swap or {})) for _ in range(2)]
+    assert torch.equal(runs[0].tokens, runs[1].tokens), f"{policy} {swap or ''}: the same seed gave other tokens"
+    assert [s.nfe for s in runs[0].stats.sequences] == [s.nfe for s in runs[1].stats.sequences]
+
+
+def check_batch_invariance(model, policy: str, swap: dict[str, Any] | None = None, prompts=PROMPTS,
+                           gen_length: int = 32, block_length: int = 16) -> None:
+    """Each prompt decodes to the same tokens alone and in the batch (greedy, fp32; prompts of different lengths,
+    so left padding is exercised)."""
+    kw = dict(policy=policy, gen_length=gen_length, block_length=block_length, **(swap or {}))
+    batch = polestar.generate(model, prompts, **kw).generations
+    for i, prompt in enumerate(prompts):
+        alone = polestar.generate(model, [prompt], **kw).generations[0]
+        assert torch.equal(batch[i], alone), f"{policy} {swap or ''}: prompt {i} decodes differently alone and " \
+            "in the batch"
+
+
+def _invariants(kind: str, name: str) -> None:
+    swap, policy = {kind: name}, host_policy(kind)
+    gen = torch.Generator().manual_seed(0)
+    for family in ("llada", "dream"):
+        for block, n_blocks, stop in ((4, 3, True), (8, 2, False)):
+            prompts = [torch.randint(0, TINY["mask_id"], (int(n),), generator=gen).tolist()
+                       for n in torch.randint(1, 7, (2,), generator=gen)]
+            check_decode_invariants(_shared_model(family), policy, prompts, swap, block * n_blocks, block,
+                                    threshold=float(torch.rand(1, generator=gen)) * 0.9 + 0.05, stop_at_eos=stop)
+
+
+def _determinism(kind: str, name: str) -> None:
+    for temperature in (0.0, 1.0):
+        check_determinism(_shared_model("llada"), host_policy(kind), {kind: name}, temperature)
+
+
+def _batch_invariance(kind: str, name: str) -> None:
+    for family in ("llada", "dream"):
+        check_batch_invariance(_shared_model(family), host_policy(kind), {kind: name})
+
+
+_CHECKS: dict[str, Callable[[str, str], None]] = {
+    "contract": lambda kind, name: check_contract(kind, name),
+    "pure": lambda kind, name: check_contract(kind, name, examples=3, seed=1),
+    "invariants": _invariants,
+    "determinism": _determinism,
+    "batch-invariance": _batch_invariance,
+}
+
+
+def check_stage(kind: str, name: str, checks: Sequence[str] = CHECKS) -> None:
+    """Run ``checks`` (default: all of :data:`CHECKS`) on the registered stage ``kind`` / ``name``; the first
+    failure raises with a message naming the stage."""
+    registry.lookup(kind, name)
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; checks: {', '.join(CHECKS)}")
+    for check in checks:
+        try:
+            _CHECKS[check](kind, name)
+        except AssertionError as err:
+            raise AssertionError(f"{kind} stage {name!r} fails the {check} check: {err}") from err
+
+
+# ----------------------------------------------------------------------------------------------- pytest plugin
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("polestar", "checks of polestar stages")
+    group.addoption("--polestar-stage", action="append", default=[], metavar="KIND:NAME",
+                    help="run polestar.testing's checks on this registered stage (repeatable)")
+    group.addoption("--polestar-plugin", action="append", default=[], metavar="MODULE_OR_FILE",
+                    help="import this module or .py file first (it registers the stage)")
+    group.addoption("--polestar-checks", default=",".join(CHECKS), metavar="CHECK,...",
+                    help=f"the checks to run (default: all of {', '.join(CHECKS)})")
+
+
+def _stage_item_class():
+    import pytest
+
+    class StageCheck(pytest.Item):
+        """One check of :func:`check_stage` on one stage, as a pytest test."""
+
+        def __init__(self, *, kind: str, stage: str, check: str, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.kind, self.stage, self.check = kind, stage, check
+
+        def runtest(self) -> None:
+            check_stage(self.kind, self.stage, [self.check])
+
+        def reportinfo(self):
+            return "polestar.testing", None, self.name
+
+    return StageCheck
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    specs = config.getoption("--polestar-stage", default=[]) or []
+    if not specs:
+        return
+    load_plugins(config.getoption("--polestar-plugin", default=[]) or [])
+    item_class = _stage_item_class()
+    checks = [c for c in config.getoption("--polestar-checks").split(",") if c]
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"--polestar-checks: unknown checks {unknown}; checks: {', '.join(CHECKS)}")
+    for spec in specs:
+        kind, sep, name = spec.partition(":")
+        if not sep or not name:
+            raise ValueError(f"--polestar-stage {spec!r}: write KIND:NAME, e.g. drift:hellinger")
+        registry.lookup(kind, name)
+        for check in checks:
+            items.append(item_class.from_parent(session, name=f"polestar-stage[{kind}:{name}:{check}]", kind=kind,
+                                                stage=name, check=check))
