@@ -9,11 +9,13 @@ from .plugins import load_entry_points as _load_entry_points
 from .plugins import load_plugin
 from .policy import PolicySpec, assemble, get_policy, policy_names, register_policy
 from .registry import UnknownNameError, register
+from .tracing import Trace, trace
 
 __all__ = [
     "GenerationConfig",
     "GenerationOutput",
     "PolicySpec",
+    "Trace",
     "UnknownNameError",
     "assemble",
     "encode_prompts",
@@ -24,6 +26,7 @@ __all__ = [
     "policy_names",
     "register",
     "register_policy",
+    "trace",
 ]
 __version__ = "0.1.0"
 
