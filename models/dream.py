@@ -14,7 +14,20 @@ from torch import nn
 
 from .backbone import DiffusionLM, LayerParts
 from .layers import RMSNorm
-from .spec import ModelSpec
+from .spec import ModelSpec, unsupported_values
+
+# config.json values the Dream backbone implements (full attention in every layer, plain 1-D RoPE, SwiGLU)
+_REQUIRED = {
+    "use_sliding_window": (False, None),
+    "use_mrope": (False, None),
+    "rope_scaling": (None,),
+    "hidden_act": ("silu",),
+}
+
+
+def refused_fields(cfg: dict[str, Any]) -> list[str]:
+    """The config.json fields whose values the Dream backbone cannot honour, each with the values it supports."""
+    return unsupported_values(cfg, _REQUIRED)
 
 
 def dream_spec(cfg: dict[str, Any]) -> ModelSpec:
@@ -25,8 +38,10 @@ def dream_spec(cfg: dict[str, Any]) -> ModelSpec:
     ]
     if missing:
         raise ValueError(f"config.json is missing Dream fields {missing}")
-    if cfg.get("rope_scaling"):
-        raise ValueError("config.json: rope_scaling is not supported by polestar's Dream backbone; remove it or use plain RoPE")
+    refused = refused_fields(cfg)
+    if refused:
+        raise ValueError(f"config.json: {'; '.join(refused)}: not supported by polestar's Dream backbone, which "
+                         "implements Dream-7B's full-attention, plain-RoPE layers; use a checkpoint with those values")
     eos = cfg.get("eos_token_id", 151643)
     if isinstance(eos, list):
         eos = eos[0]

@@ -16,7 +16,7 @@ from torch import nn
 
 from .backbone import DiffusionLM, LayerParts
 from .layers import RMSNorm
-from .spec import ModelSpec
+from .spec import ModelSpec, unsupported_values
 
 # config.json values our LLaDA backbone implements; anything else is refused with the field named.
 _REQUIRED = {
@@ -30,17 +30,23 @@ _REQUIRED = {
     "scale_logits": (False, None),
     "multi_query_attention": (None, False),
     "layer_norm_with_affine": (True, None),
+    "rope_full_precision": (True, None),
+    "yarn": (False, None),
+    "rope_scaling": (None,),
 }
+
+
+def refused_fields(cfg: dict[str, Any]) -> list[str]:
+    """The config.json fields whose values the LLaDA backbone cannot honour, each with the values it supports."""
+    return unsupported_values(cfg, _REQUIRED)
 
 
 def llada_spec(cfg: dict[str, Any]) -> ModelSpec:
     """Build a :class:`ModelSpec` from a LLaDA ``config.json`` dict (field names of ``LLaDAConfig``)."""
-    for key, allowed in _REQUIRED.items():
-        if key in cfg and cfg[key] not in allowed:
-            raise ValueError(
-                f"config.json: {key}={cfg[key]!r} is not supported by polestar's LLaDA backbone "
-                f"(supported: {allowed}); only LLaDA-8B-style 'llama' blocks are implemented"
-            )
+    refused = refused_fields(cfg)
+    if refused:
+        raise ValueError(f"config.json: {'; '.join(refused)}: not supported by polestar's LLaDA backbone, which "
+                         "implements LLaDA-8B's plain-RoPE 'llama' blocks; use a checkpoint with those values")
     missing = [k for k in ("d_model", "n_heads", "n_layers", "vocab_size") if k not in cfg]
     if missing:
         raise ValueError(f"config.json is missing LLaDA fields {missing}")

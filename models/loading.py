@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors.torch import save_file
 
 from .backbone import DiffusionLM
 from .dream import Dream, dream_config, dream_spec
+from .dream import refused_fields as dream_refused
 from .llada import LLaDA, llada_config, llada_spec
+from .llada import refused_fields as llada_refused
 from .safetensors_io import TensorEntry, read_header, read_into
 from .spec import ModelSpec
 from .text import check_mask_id, load_tokenizer, text_defaults
@@ -24,6 +28,8 @@ FAMILIES: dict[str, tuple[Callable[[dict], ModelSpec], type[DiffusionLM], Callab
     "llada": (llada_spec, LLaDA, llada_config),
     "dream": (dream_spec, Dream, dream_config),
 }
+# model_type (lower-cased) -> config.json fields the backbone cannot honour (see each family's refused_fields)
+REFUSALS: dict[str, Callable[[dict], list[str]]] = {"llada": llada_refused, "dream": dream_refused}
 # buffers some exporters write that are not parameters of the architecture
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -84,7 +90,7 @@ def family_of(cfg: dict[str, Any], where: Path) -> str:
     return model_type
 
 
-def _tensor_entries(directory: Path) -> dict[str, TensorEntry]:
+def tensor_entries(directory: Path) -> dict[str, TensorEntry]:
     """Map tensor name → :class:`TensorEntry` from ``model.safetensors`` or a sharded index (headers only)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -112,30 +118,96 @@ def _tensor_entries(directory: Path) -> dict[str, TensorEntry]:
     raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def checkpoint_dtype(cfg: dict[str, Any]) -> torch.dtype:
-    """The dtype a checkpoint was published in (config.json ``torch_dtype``; float32 when absent or unknown)."""
-    return _DTYPES.get(str(cfg.get("torch_dtype", "float32")), torch.float32)
+@attrs.frozen
+class DtypeChoice:
+    """The dtype a checkpoint loads in and why.
 
-
-def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
-    """Load an LLaDA or Dream checkpoint directory strictly: every parameter present with its exact shape.
-
-    ``dtype`` None: the checkpoint's ``torch_dtype``. The model is built on the meta device, allocated once in
-    its final dtype on ``device``, and each tensor is read from its shard straight into its parameter (see
-    :func:`polestar.models.safetensors_io.read_into`), shard by shard: host memory stays near the weights' size.
-    Raises one error naming every missing, unexpected or mis-shaped tensor, before any weight is read. The
-    tokenizer, when present, is attached as ``model.tokenizer`` (see :func:`attach_text`).
+    ``dtype``: the dtype the weights are allocated in; ``source``: why (asked for, config.json's
+    ``torch_dtype``, or the safetensors headers); ``on_disk``: ``(dtype name, bytes)`` of the checkpoint's
+    floating-point tensors as their headers state, most bytes first.
     """
+
+    dtype: torch.dtype
+    source: str
+    on_disk: tuple[tuple[str, int], ...]
+
+    @property
+    def disk_dtype(self) -> str | None:
+        """The dtype holding most of the checkpoint's floating-point bytes (None without floating tensors)."""
+        return self.on_disk[0][0] if self.on_disk else None
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.on_disk) > 1
+
+    def line(self) -> str:
+        """One line: the load dtype, why, and the bytes per dtype on disk when they are mixed."""
+        disk = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.on_disk) or "no floating tensors"
+        return f"loads in {_dtype_name(self.dtype)} ({self.source}; on disk: {disk})"
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``3.81 MiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def disk_dtypes(entries: dict[str, TensorEntry]) -> tuple[tuple[str, int], ...]:
+    """``(dtype name, bytes)`` of the floating-point tensors of ``entries`` (safetensors headers), most bytes
+    first."""
+    sizes: dict[str, int] = {}
+    for entry in entries.values():
+        if entry.dtype.is_floating_point:
+            name = _dtype_name(entry.dtype)
+            sizes[name] = sizes.get(name, 0) + entry.end - entry.start
+    return tuple(sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def choose_dtype(cfg: dict[str, Any], entries: dict[str, TensorEntry],
+                 requested: torch.dtype | str | None = None) -> DtypeChoice:
+    """The dtype to load in: ``requested`` when given; else config.json's ``torch_dtype`` when it names a
+    supported dtype; else the dtype of the majority of the floating-point bytes as the safetensors headers
+    state them (LLaDA's published config.json has no ``torch_dtype``: its weights load in their bfloat16, never
+    upcast). float64 weights load as float32 (the widest supported), and the source says so."""
+    on_disk = disk_dtypes(entries)
+    if requested is not None:
+        return DtypeChoice(resolve_dtype(requested), "as requested", on_disk)
+    named = cfg.get("torch_dtype")
+    if isinstance(named, str) and named in _DTYPES:
+        return DtypeChoice(_DTYPES[named], "config.json torch_dtype", on_disk)
+    if not on_disk:
+        return DtypeChoice(torch.float32, "no floating-point tensors; float32", on_disk)
+    majority = on_disk[0][0]
+    share = "all" if len(on_disk) == 1 else "the majority of"
+    if majority not in _DTYPES:
+        return DtypeChoice(torch.float32, f"safetensors headers: {share} bytes are {majority}, loaded as float32, "
+                           "the widest supported dtype", on_disk)
+    return DtypeChoice(_DTYPES[majority], f"safetensors headers: {share} bytes are {majority}; config.json has no "
+                       "torch_dtype", on_disk)
+
+
+def checkpoint_dtype(path_or_name: str | Path) -> DtypeChoice:
+    """The dtype ``polestar.load(path_or_name)`` allocates without ``dtype=`` (headers only, no weights read)."""
     directory = resolve_checkpoint(path_or_name)
-    cfg = read_config(directory)
-    dtype = checkpoint_dtype(cfg) if dtype is None else resolve_dtype(dtype)
-    family = family_of(cfg, directory)
-    spec_fn, cls, _ = FAMILIES[family]
-    spec = spec_fn(cfg)
-    entries = _tensor_entries(directory)
+    return choose_dtype(read_config(directory), tensor_entries(directory))
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of every parameter the ``spec.family`` backbone of ``spec`` has (built on meta)."""
     with torch.device("meta"):
-        model = cls(spec)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        model = FAMILIES[spec.family][1](spec)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def tensor_problems(expected: dict[str, tuple[int, ...]], entries: dict[str, TensorEntry]) -> list[str]:
+    """Missing, unexpected and mis-shaped tensors of ``entries`` (headers) against ``expected``, one string per
+    kind (empty when the checkpoint matches)."""
     names = {n for n in entries if not n.endswith(_IGNORED_SUFFIXES)}
     missing = sorted(set(expected) - names)
     unexpected = sorted(names - set(expected))
@@ -148,6 +220,33 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None,
         problems.append(f"unexpected tensors: {', '.join(unexpected[:20])}{' ...' if len(unexpected) > 20 else ''}")
     if misshaped:
         problems.append("mis-shaped tensors: " + "; ".join(misshaped[:20]))
+    return problems
+
+
+def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
+    """Load an LLaDA or Dream checkpoint directory strictly: every parameter present with its exact shape.
+
+    ``dtype`` None: config.json's ``torch_dtype``, else the dtype of most of the weights' bytes as the safetensors
+    headers state it (:func:`choose_dtype`; with mixed dtypes one warning line says which). The model is built on the meta device, allocated once in
+    its final dtype on ``device``, and each tensor is read from its shard straight into its parameter (see
+    :func:`polestar.models.safetensors_io.read_into`), shard by shard: host memory stays near the weights' size.
+    Raises one error naming every missing, unexpected or mis-shaped tensor, before any weight is read. The
+    tokenizer, when present, is attached as ``model.tokenizer`` (see :func:`attach_text`).
+    """
+    directory = resolve_checkpoint(path_or_name)
+    cfg = read_config(directory)
+    family = family_of(cfg, directory)
+    spec_fn, cls, _ = FAMILIES[family]
+    spec = spec_fn(cfg)
+    entries = tensor_entries(directory)
+    choice = choose_dtype(cfg, entries, dtype)
+    if dtype is None and choice.mixed:
+        warnings.warn(f"{directory}: mixed weight dtypes; {choice.line()}", stacklevel=2)
+    dtype = choice.dtype
+    with torch.device("meta"):
+        model = cls(spec)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    problems = tensor_problems(expected, entries)
     if problems:
         raise ValueError(
             f"checkpoint {directory} does not match its config.json ({family}): " + " | ".join(problems)

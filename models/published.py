@@ -1,9 +1,10 @@
 """The published checkpoints' metadata, and checkpoint directories in their shapes with random weights.
 
-Holds the ``config.json``, ``tokenizer_config.json`` (chat template) and ``generation_config.json`` fields of
-GSAI-ML/LLaDA-8B-Instruct and Dream-org/Dream-v0-Instruct-7B, and writes directories laid out like the published
-ones (sharded safetensors, tokenizer files with the special tokens at their real ids over a filler vocabulary,
-random weights) for the tests and ``bench/gpu/check.py``. Weights are written one tensor at a time in small
+Holds every field of the published ``config.json``, ``generation_config.json``, ``tokenizer_config.json``
+(chat template and added tokens) and ``special_tokens_map.json`` of GSAI-ML/LLaDA-8B-Instruct, GSAI-ML/LLaDA-1.5 and
+Dream-org/Dream-v0-Instruct-7B (plus Dream's ``added_tokens.json``), and writes directories laid out like the
+published ones (those files, sharded safetensors, tokenizer files with every added token at its published id over
+a filler vocabulary, random weights) for the tests and ``bench/gpu/check.py``. Weights are written one tensor at a time in small
 chunks, so building an 8B-wide checkpoint needs little memory.
 """
 
@@ -11,16 +12,26 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from .layers import Rotary
 from .loading import FAMILIES
 
-# --- LLaDA-8B-Instruct -------------------------------------------------------------------------------------------
+_TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+def _token(content: str) -> dict[str, Any]:
+    """An added token as the published tokenizer files spell it (``special_tokens_map.json`` style)."""
+    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+
+
+# --- LLaDA-8B-Instruct (GSAI-ML/LLaDA-8B-Instruct) -----------------------------------------------------------------
+# The published config.json has no torch_dtype key: the weights' dtype is only in the safetensors headers (bf16).
 LLADA_8B_INSTRUCT_CONFIG: dict[str, Any] = {
     "activation_type": "silu",
     "alibi": False,
@@ -68,50 +79,65 @@ LLADA_8B_INSTRUCT_CONFIG: dict[str, Any] = {
     "rope_full_precision": True,
     "rope_theta": 500000.0,
     "scale_logits": False,
-    "torch_dtype": "bfloat16",
     "transformers_version": "4.46.3",
     "use_cache": False,
     "vocab_size": 126464,
     "weight_tying": False,
 }
-LLADA_CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
-    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-)
-#: LLaDA special tokens at their ids in the published tokenizer.
-LLADA_SPECIAL_TOKENS: dict[str, int] = {
-    "<|startoftext|>": 126080,
-    "<|endoftext|>": 126081,
-    "<|mdm_mask|>": 126336,
-    "<|start_header_id|>": 126346,
-    "<|end_header_id|>": 126347,
-    "<|eot_id|>": 126348,
+LLADA_CHAT_TEMPLATE = (_TEMPLATES / "llada-8b-instruct.jinja").read_text()
+#: LLaDA's named added tokens at their published ids; the other ids of 126080..126348 are reserved tokens.
+LLADA_NAMED_TOKENS: dict[int, str] = {
+    126080: "<|startoftext|>", 126081: "<|endoftext|>", 126082: "[CLS]", 126083: "[gMASK]", 126336: "<|mdm_mask|>",
+    126340: "<role>", 126341: "</role>", 126342: "<|arithmetic_start|>", 126343: "<|arithmetic_end|>",
+    126344: "<|number_start|>", 126345: "<|number_end|>", 126346: "<|start_header_id|>",
+    126347: "<|end_header_id|>", 126348: "<|eot_id|>",
 }
+_LLADA_FIRST_RESERVED = 126084  # <|reserved_token_N|> sits at id 126084 + N
+#: every added token of LLaDA's tokenizer, id → text (269 tokens, ids 126080..126348, all special)
+LLADA_ADDED_TOKENS: dict[int, str] = {
+    i: LLADA_NAMED_TOKENS.get(i, f"<|reserved_token_{i - _LLADA_FIRST_RESERVED}|>") for i in range(126080, 126349)
+}
+#: name → id, for the tokens the engine and the tests look up
+LLADA_SPECIAL_TOKENS: dict[str, int] = {t: i for i, t in LLADA_NAMED_TOKENS.items()}
+_LLADA_EXTRA_SPECIALS = ["<role>", "</role>", "<|arithmetic_start|>", "<|arithmetic_end|>", "<|number_start|>",
+                         "<|number_end|>"]
 LLADA_TOKENIZER_CONFIG: dict[str, Any] = {
     "add_bos_token": False,
     "add_eos_token": False,
+    "added_tokens_decoder": {str(i): {**_token(t), "special": True} for i, t in LLADA_ADDED_TOKENS.items()},
+    "additional_special_tokens": _LLADA_EXTRA_SPECIALS,
     "bos_token": "<|startoftext|>",
     "chat_template": LLADA_CHAT_TEMPLATE,
     "clean_up_tokenization_spaces": False,
+    "cls_token": "[CLS]",
     "eos_token": "<|endoftext|>",
     "fast_tokenizer": True,
+    "gmask_token": "[gMASK]",
+    "merges_file": None,
+    "model_input_names": ["input_ids", "attention_mask"],
     "model_max_length": 1000000000000000019884624838656,
     "pad_token": "<|endoftext|>",
     "tokenizer_class": "PreTrainedTokenizerFast",
     "trust_remote_code": True,
+    "vocab_file": None,
+}
+LLADA_SPECIAL_TOKENS_MAP: dict[str, Any] = {
+    "additional_special_tokens": _LLADA_EXTRA_SPECIALS,
+    "bos_token": _token("<|startoftext|>"),
+    "cls_token": _token("[CLS]"),
+    "eos_token": _token("<|endoftext|>"),
+    "pad_token": _token("<|endoftext|>"),
 }
 LLADA_GENERATION_CONFIG: dict[str, Any] = {
     "_from_model_config": True,
     "bos_token_id": 126080,
     "eos_token_id": 126081,
-    "pad_token_id": 126081,
-    "transformers_version": "4.46.3",
+    "transformers_version": "4.38.2",
 }
 
-# --- Dream-v0-Instruct-7B ----------------------------------------------------------------------------------------
+# --- Dream-v0-Instruct-7B (Dream-org/Dream-v0-Instruct-7B) ---------------------------------------------------------
 DREAM_7B_INSTRUCT_CONFIG: dict[str, Any] = {
+    "_name_or_path": "Dream-org/Dream-v0-Instruct-7B",
     "architectures": ["DreamModel"],
     "attention_dropout": 0.0,
     "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
@@ -132,38 +158,34 @@ DREAM_7B_INSTRUCT_CONFIG: dict[str, Any] = {
     "rms_norm_eps": 1e-06,
     "rope_scaling": None,
     "rope_theta": 1000000.0,
-    "sliding_window": 131072,
+    "sliding_window": None,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
     "transformers_version": "4.46.2",
     "use_cache": True,
+    "use_mrope": False,
     "use_sliding_window": False,
     "vocab_size": 152064,
 }
-# ChatML with Dream's default system turn (the Qwen2.5 template without its tool-calling branch)
-DREAM_CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-#: Dream's added tokens (Qwen2.5's, then Dream's BOS and mask), contiguous from 151643.
-DREAM_SPECIAL_TOKENS: dict[str, int] = {
-    tok: 151643 + i
-    for i, tok in enumerate([
-        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-        "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-        "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|beginoftext|>",
-        "<|mask|>",
-    ])
-}
+#: the Qwen2.5 chat template (tool calls included) as Dream publishes it
+DREAM_CHAT_TEMPLATE = (_TEMPLATES / "dream-v0-instruct-7b.jinja").read_text()
+_DREAM_ADDED = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|beginoftext|>", "<|mask|>",
+]
+#: Dream's added tokens (Qwen2.5's, then Dream's BOS and mask), contiguous from 151643, text → id
+DREAM_SPECIAL_TOKENS: dict[str, int] = {tok: 151643 + i for i, tok in enumerate(_DREAM_ADDED)}
+#: added tokens that are not special (tool-call and fill-in-the-middle markers: decoded like text)
+DREAM_NOT_SPECIAL: frozenset[int] = frozenset(range(151657, 151665))
 DREAM_TOKENIZER_CONFIG: dict[str, Any] = {
+    "add_bos_token": False,
     "add_prefix_space": False,
+    "added_tokens_decoder": {
+        str(i): {**_token(t), "special": i not in DREAM_NOT_SPECIAL} for t, i in DREAM_SPECIAL_TOKENS.items()
+    },
+    "additional_special_tokens": ["<|beginoftext|>", "<|mask|>"],
     "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
     "bos_token": "<|beginoftext|>",
     "chat_template": DREAM_CHAT_TEMPLATE,
@@ -177,6 +199,14 @@ DREAM_TOKENIZER_CONFIG: dict[str, Any] = {
     "tokenizer_class": "DreamTokenizer",
     "unk_token": None,
 }
+DREAM_SPECIAL_TOKENS_MAP: dict[str, Any] = {
+    "additional_special_tokens": ["<|beginoftext|>", "<|mask|>"],
+    "bos_token": _token("<|beginoftext|>"),
+    "eos_token": _token("<|endoftext|>"),
+    "mask_token": _token("<|mask|>"),
+    "pad_token": _token("<|endoftext|>"),
+}
+DREAM_ADDED_TOKENS: dict[str, int] = dict(sorted(DREAM_SPECIAL_TOKENS.items()))
 DREAM_GENERATION_CONFIG: dict[str, Any] = {
     "_from_model_config": True,
     "alg": "origin",
@@ -194,11 +224,65 @@ DREAM_GENERATION_CONFIG: dict[str, Any] = {
     "transformers_version": "4.46.2",
 }
 
+
+@attrs.frozen
+class PublishedModel:
+    """The non-weight files of one published checkpoint: ``files`` maps a file name (``config.json``,
+    ``generation_config.json``, ``tokenizer_config.json``, ``special_tokens_map.json``, ...) to its JSON content;
+    ``layers_key``: the config.json key of the layer count; ``verified``: what these values were checked against."""
+
+    name: str
+    repo_id: str
+    family: str
+    files: Mapping[str, dict[str, Any]]
+    layers_key: str
+    verified: str
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.files["config.json"]
+
+
+_LLADA_FILES = {
+    "config.json": LLADA_8B_INSTRUCT_CONFIG,
+    "generation_config.json": LLADA_GENERATION_CONFIG,
+    "tokenizer_config.json": LLADA_TOKENIZER_CONFIG,
+    "special_tokens_map.json": LLADA_SPECIAL_TOKENS_MAP,
+}
+#: published checkpoints by name (the preset names)
+PUBLISHED_MODELS: dict[str, PublishedModel] = {
+    m.name: m for m in (
+        PublishedModel("llada-8b-instruct", "GSAI-ML/LLaDA-8B-Instruct", "llada", _LLADA_FILES, "n_layers",
+                       "field for field against the published files"),
+        PublishedModel("llada-1.5", "GSAI-ML/LLaDA-1.5", "llada", _LLADA_FILES, "n_layers",
+                       "not checked: no copy of its files was reachable; LLaDA-8B-Instruct's files (its config.json "
+                       "has the same size, 1,385 bytes)"),
+        PublishedModel("dream-v0-instruct-7b", "Dream-org/Dream-v0-Instruct-7B", "dream", {
+            "config.json": DREAM_7B_INSTRUCT_CONFIG,
+            "generation_config.json": DREAM_GENERATION_CONFIG,
+            "tokenizer_config.json": DREAM_TOKENIZER_CONFIG,
+            "special_tokens_map.json": DREAM_SPECIAL_TOKENS_MAP,
+            "added_tokens.json": DREAM_ADDED_TOKENS,
+        }, "num_hidden_layers", "field for field against the published files"),
+    )
+}
+#: family → its default published model
+FAMILY_MODELS: dict[str, str] = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b"}
 #: family → (config.json, tokenizer_config.json, generation_config.json, config key of the layer count)
 PUBLISHED: dict[str, tuple[dict, dict, dict, str]] = {
-    "llada": (LLADA_8B_INSTRUCT_CONFIG, LLADA_TOKENIZER_CONFIG, LLADA_GENERATION_CONFIG, "n_layers"),
-    "dream": (DREAM_7B_INSTRUCT_CONFIG, DREAM_TOKENIZER_CONFIG, DREAM_GENERATION_CONFIG, "num_hidden_layers"),
+    family: (m.config, m.files["tokenizer_config.json"], m.files["generation_config.json"], m.layers_key)
+    for family, m in ((f, PUBLISHED_MODELS[n]) for f, n in FAMILY_MODELS.items())
 }
+
+
+def published(name_or_family: str) -> PublishedModel:
+    """The published model called ``name_or_family`` (a :data:`PUBLISHED_MODELS` name, or ``llada`` / ``dream``
+    for the family's instruct model); ValueError listing the names otherwise."""
+    name = FAMILY_MODELS.get(name_or_family, name_or_family)
+    if name not in PUBLISHED_MODELS:
+        raise ValueError(f"unknown published model {name_or_family!r}; known: "
+                         f"{', '.join([*PUBLISHED_MODELS, *FAMILY_MODELS])}")
+    return PUBLISHED_MODELS[name]
 
 
 def _byte_alphabet() -> list[str]:
@@ -221,39 +305,31 @@ def _filler_vocab(size: int) -> dict[str, int]:
     return vocab
 
 
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
 def write_llada_tokenizer(directory: Path) -> None:
-    """``tokenizer.json`` (byte-level BPE without merges, filler vocabulary) with LLaDA's special tokens at their
-    published ids, plus LLaDA-8B-Instruct's ``tokenizer_config.json``."""
+    """``tokenizer.json``: byte-level BPE without merges over a filler vocabulary, with LLaDA's 269 added
+    tokens at their published ids (the published vocabulary itself is not reproduced)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = _filler_vocab(min(LLADA_SPECIAL_TOKENS.values()))
-    for tok, i in LLADA_SPECIAL_TOKENS.items():
-        vocab[tok] = i
-    for i in range(min(LLADA_SPECIAL_TOKENS.values()), max(LLADA_SPECIAL_TOKENS.values())):
-        if i not in vocab.values():
-            vocab[f"<|reserved_{i}|>"] = i
+    first = min(LLADA_ADDED_TOKENS)
+    vocab = _filler_vocab(first)
+    vocab.update({t: i for i, t in LLADA_ADDED_TOKENS.items()})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLADA_SPECIAL_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLADA_ADDED_TOKENS.values()])
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(LLADA_TOKENIZER_CONFIG, indent=2))
 
 
 def write_dream_tokenizer(directory: Path) -> None:
-    """Qwen2-style ``vocab.json`` + ``merges.txt`` (byte symbols and filler words, no merges) and Dream's
-    ``tokenizer_config.json`` with the special tokens at their published ids."""
+    """Qwen2-style ``vocab.json`` + ``merges.txt`` (byte symbols and filler words, no merges); the added tokens
+    come from the published ``tokenizer_config.json`` / ``added_tokens.json``."""
     vocab = _filler_vocab(min(DREAM_SPECIAL_TOKENS.values()))
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     (directory / "merges.txt").write_text("#version: 0.2\n")
-    config = dict(DREAM_TOKENIZER_CONFIG)
-    config["added_tokens_decoder"] = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": True}
-        for t, i in DREAM_SPECIAL_TOKENS.items()
-    }
-    config["additional_special_tokens"] = ["<|im_start|>", "<|im_end|>"]
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 _WRITERS = {"llada": write_llada_tokenizer, "dream": write_dream_tokenizer}
@@ -318,22 +394,24 @@ def write_published_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
 ) -> Path:
-    """Write a checkpoint directory shaped like the published ``family`` model (``"llada"`` or ``"dream"``).
+    """Write a checkpoint directory shaped like a published model: ``family`` is a :data:`PUBLISHED_MODELS` name
+    (``llada-8b-instruct``, ``llada-1.5``, ``dream-v0-instruct-7b``) or ``llada`` / ``dream``.
 
-    ``config.json`` is the published one with the layer count set to ``n_layers`` and the keys of ``width``
-    replaced (e.g. a narrow variant for fast tests); ``torch_dtype`` follows ``dtype``. Weights are random, one
+    Every published non-weight file is written with its published fields; ``config.json`` has its layer count
+    set to ``n_layers`` and the keys of ``width`` replaced (e.g. a narrow variant for fast tests), and a
+    ``torch_dtype`` key, where the published file has one, names ``dtype``. Weights are random, in ``dtype``, one
     shard for the embedding, one per layer and one for the final norm and head, with an index file.
     Returns the directory.
     """
-    if family not in PUBLISHED:
-        raise ValueError(f"unknown family {family!r}; known: {sorted(PUBLISHED)}")
+    model_info = published(family)
+    family = model_info.family
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    cfg_src, _, gen_cfg, layers_key = PUBLISHED[family]
-    cfg = dict(cfg_src)
-    cfg[layers_key] = n_layers
+    cfg = dict(model_info.config)
+    cfg[model_info.layers_key] = n_layers
     cfg.update(width or {})
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     spec_fn, cls, _ = FAMILIES[family]
     with torch.device("meta"):
         model = cls(spec_fn(cfg))
@@ -353,9 +431,20 @@ def write_published_checkpoint(
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
-    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
-    (directory / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
-    _WRITERS[family](directory)
+    write_published_files(directory, model_info.name, cfg)
+    return directory
+
+
+def write_published_files(directory: str | Path, name: str, config: dict[str, Any] | None = None) -> Path:
+    """Write the non-weight files of published model ``name`` into ``directory``: every JSON file it publishes
+    (``config`` replacing its config.json when given) and tokenizer files over a filler vocabulary. Returns the
+    directory."""
+    model_info = published(name)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for file_name, content in model_info.files.items():
+        _write_json(directory / file_name, config if file_name == "config.json" and config is not None else content)
+    _WRITERS[model_info.family](directory)
     return directory
 
 
@@ -365,10 +454,9 @@ def published_model(family: str, n_layers: int = 1, width: dict[str, Any] | None
     written to disk): the published ``config.json`` with ``n_layers`` layers and the keys of ``width`` replaced,
     allocated once in ``dtype`` on ``device``; norm weights 1, every other tensor N(0, 0.02). No tokenizer is
     attached, so prompts are token ids. For step-cost benchmarks, where only the shapes matter."""
-    if family not in PUBLISHED:
-        raise ValueError(f"unknown family {family!r}; known: {sorted(PUBLISHED)}")
-    cfg_src, _, _, layers_key = PUBLISHED[family]
-    cfg = {**cfg_src, layers_key: n_layers, **(width or {})}
+    model_info = published(family)
+    family = model_info.family
+    cfg = {**model_info.config, model_info.layers_key: n_layers, **(width or {})}
     spec_fn, cls, _ = FAMILIES[family]
     spec = spec_fn(cfg)
     with torch.device("meta"):

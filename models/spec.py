@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 from attrs import validators as v
 
@@ -55,3 +57,9 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def unsupported_values(cfg: dict[str, Any], supported: dict[str, tuple[Any, ...]]) -> list[str]:
+    """``key=value (supported: ...)`` for every key of ``supported`` that ``cfg`` sets to another value."""
+    return [f"{key}={cfg[key]!r} (supported: {', '.join(map(repr, allowed))})"
+            for key, allowed in supported.items() if key in cfg and cfg[key] not in allowed]

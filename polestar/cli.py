@@ -13,7 +13,6 @@ import json
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -120,7 +119,9 @@ def _check_policy(policy: str, sets: dict[str, Any]) -> None:
 def _load_checked(args):
     """Load ``--model`` (a failure is a runtime failure naming it) and refuse non-finite weights."""
     import polestar
+    from polestar.inspection import announce_model
 
+    announce_model(args.model, args.dtype)
     with working(f"loading model {args.model}"):
         model = polestar.load(args.model, dtype=args.dtype, device=args.device)
     check_finite_weights(model, args.model)
@@ -235,6 +236,7 @@ def cmd_generate(args) -> int:
         if args.json:  # one JSON object per batch (one line each)
             print(json.dumps({
                 "policy": args.policy,
+                "dtype": str(model.dtype).removeprefix("torch."),
                 "stages": out.pipeline.describe(),
                 "tokens": out.tokens.tolist(),
                 "prompt_ids": out.prompt_ids,
@@ -321,23 +323,28 @@ def cmd_agree(args) -> int:
 
     if (args.policy_a is None) != (args.policy_b is None):
         raise UsageError("--policy-a and --policy-b go together; give both or neither")
-    return agree_cli(args.a, args.b, args.policy_a, args.policy_b)
+    return agree_cli(args.a, args.b, args.policy_a, args.policy_b, args.allow_differences)
 
 
 def cmd_anatomy(args) -> int:
     from polestar.bench.anatomy import commit_anatomy, format_anatomy
     from polestar.bench.harness import check_problem_args
+    from polestar.bench.item_log import check_writable, write_atomic
 
     sets = parse_sets(args.set)
     decoding = decoding_from_args(args)
     policies = check_problem_args(args, sets, decoding)
+    check_writable([args.json_out])
+    from polestar.inspection import announce_model
+
+    announce_model(args.model, args.dtype)
     with working("anatomy"):
         result = commit_anatomy(args.model, args.task, policies, args.n, sets, decoding, args.batch_size, args.data,
                                 args.dtype, args.device)
     title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
     print(format_anatomy(result, title))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        write_atomic(args.json_out, json.dumps(result, indent=1))
     return 0
 
 
@@ -345,6 +352,18 @@ def cmd_trace(args) -> int:
     from polestar.tracing.cli import run_trace_cli
 
     return run_trace_cli(args, parse_sets(args.set), decoding_from_args(args))
+
+
+def cmd_inspect(args) -> int:
+    from polestar.inspection import inspect_checkpoint
+
+    check_model(args.model)
+    check_positive("--batch-size", args.batch_size)
+    if args.length is not None:
+        check_positive("--length", args.length)
+    report = inspect_checkpoint(args.model, batch_size=args.batch_size, length=args.length)
+    print(json.dumps(report.as_dict(), indent=1) if args.json else "\n".join(report.lines()))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint's config.json when it is a published model, 'none' never; flags override it")
     g.add_argument("--json", action="store_true", help="print one JSON object per batch with tokens, texts and stats")
     g.set_defaults(func=cmd_generate, policy=None, gen_length=None, block_length=None, temperature=None)
+    ins = sub.add_parser("inspect", help="what a checkpoint directory is and needs (reads headers only, no weights)")
+    ins.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory or shipped name")
+    ins.add_argument("--batch-size", type=int, default=1, help="sequences for the K/V figure (default 1)")
+    ins.add_argument("--length", type=int, default=None,
+                     help="tokens per sequence for the K/V figure (default: the preset's generation length, else 256)")
+    ins.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    ins.set_defaults(func=cmd_inspect)
     pr = sub.add_parser("presets", help="list the presets of the published models (paper settings)")
     pr.add_argument("--json", action="store_true")
     pr.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -383,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resume", action="store_true",
                    help="reuse the finished items of an interrupted run with the same settings (kept beside --json "
                         "in OUT.items.jsonl)")
+    b.add_argument("--overwrite", action="store_true",
+                   help="start over although OUT.items.jsonl holds finished items (the old files are kept beside "
+                        "the new ones as *.old-<time>)")
     _add_decoding_args(b, policy=False)
     b.set_defaults(func=cmd_bench)
     an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")
@@ -398,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("b", metavar="B.json")
     a.add_argument("--policy-a", help="compare only this policy of A ... (needs --policy-b)")
     a.add_argument("--policy-b", help="... with this policy of B")
+    a.add_argument("--allow-differences", action="store_true",
+                   help="compare runs whose manifests differ in more than one setting")
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     _add_plugin_arg(a)
     a.set_defaults(func=cmd_agree)

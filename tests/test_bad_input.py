@@ -62,11 +62,13 @@ def no_work(monkeypatch):
 
 
 def run(capsys, argv):
-    """``main(argv)`` → (exit code, the single stderr line); asserts that stderr is exactly one ``error:`` line."""
+    """``main(argv)`` → (exit code, the single stderr line); asserts that stderr is exactly one ``error:`` line,
+    after at most the checkpoint's one-line facts that a command prints before loading it."""
     code = main(argv)
     err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    lines = [line for line in err.strip().splitlines() if not line.startswith("[model] ")]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert len(err.strip().splitlines()) <= 2, err
     assert "Traceback" not in err
     return code, lines[0]
 

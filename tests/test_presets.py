@@ -31,7 +31,7 @@ def test_recognised_from_config_json():
 def test_paper_settings(name):
     p = presets.get_preset(name)
     assert p.policy == "polestar"
-    assert p.decoding == {"gen_length": 256, "block_length": 32, "steps": 256, "temperature": 0.0}
+    assert p.decoding == {"gen_length": 256, "block_length": 32, "temperature": 0.0}  # steps follow gen_length
     stages = assemble(p.policy, dict(p.options)).describe()
     assert stages["commit"]["threshold"] == 0.9 and stages["commit"]["min_confidence"] == 0.7
     assert stages["commit"]["window"] == 5 and stages["commit"]["alpha"] == 10.0

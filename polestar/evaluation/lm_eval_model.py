@@ -6,7 +6,7 @@ before handing its arguments to lm-eval's own command line. Model arguments (``-
 * ``pretrained`` (required): checkpoint directory or shipped name (``tiny-llada``);
 * ``policy`` (``polestar``), ``gen_length``, ``block_length``, ``steps``, ``threshold``, ``temperature``,
   ``seed``, ``stop_at_eos``, ``compile``: as in :func:`polestar.generate`;
-* ``dtype`` (``bfloat16`` on CUDA, else ``float32``), ``device`` (``cuda`` when available, else ``cpu``);
+* ``dtype`` (default: the checkpoint's own, as :func:`polestar.load` picks it; never upcast), ``device`` (``cuda`` when available, else ``cpu``);
 * ``preset``: an :mod:`~polestar.evaluation.presets` name (``table1``) that sets block length, the paper's stage
   options (threshold 0.9, ...) and the per-task generation length (explicit arguments win);
 * ``batch_size``: prompts decoded together; ``mc_num`` / ``mc_batch_size`` / ``cfg`` / ``is_check_greedy``:
@@ -14,6 +14,12 @@ before handing its arguments to lm-eval's own command line. Model arguments (``-
 * ``add_special_tokens``: whether contexts get the tokenizer's special tokens (LLaDA's BOS); by default yes, as
   :func:`polestar.generate` and LLaDA's evaluation do, except after ``--apply_chat_template`` (the template
   writes them);
+* ``chat``: wrap each generation context as one user turn in the checkpoint's chat template, inside the model
+  (the Polestar authors' LLaDA harness does this for instruct models); ``add_bos_token``: prefix each generation
+  context with the tokenizer's BOS token (Dream's evaluation scripts pass ``add_bos_token=true``). Both default
+  to the checkpoint's model preset (:mod:`polestar.presets`, recognised from config.json, or named with
+  ``model_preset``) when ``preset`` is given, else off; they exclude each other and lm-eval's own
+  ``--apply_chat_template``;
 * ``plugin``: modules or ``.py`` files to import first (stages and policies defined outside the package; several
   separated by ``:``; see :mod:`polestar.plugins`);
 * stage options and swaps: ``set.KEY=VALUE`` (``set.commit=factor``, ``set.refresh.refresh_interval=2``), the
@@ -40,7 +46,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 import polestar
+from polestar import presets as model_presets
 from polestar.config import GenerationConfig
+from polestar.inspection import announce_model
+from polestar.models.loading import read_config, resolve_checkpoint
 from polestar.models.text import encode_text
 from polestar.plugins import load_plugins, split_plugin_list
 
@@ -123,6 +132,9 @@ class ModelArgs:
     cfg: float = attrs.field(default=0.0, converter=float, validator=v.ge(0.0))
     is_check_greedy: bool = attrs.field(default=False, converter=_to_bool)
     add_special_tokens: bool | None = attrs.field(default=None, converter=_optional(_to_bool))
+    chat: bool | None = attrs.field(default=None, converter=_optional(_to_bool))
+    add_bos_token: bool | None = attrs.field(default=None, converter=_optional(_to_bool))
+    model_preset: str | None = attrs.field(default=None)
     plugin: str | None = attrs.field(default=None, converter=_optional(str))
 
     def __attrs_post_init__(self):
@@ -130,6 +142,10 @@ class ModelArgs:
             raise ValueError(f"mc_num ({self.mc_num}) must be a multiple of mc_batch_size ({self.mc_batch_size})")
         if self.preset is not None:
             get_preset(self.preset)
+        if self.chat and self.add_bos_token:
+            raise ValueError("chat=true and add_bos_token=true exclude each other: a chat template writes its own BOS")
+        if self.model_preset is not None:
+            model_presets.get_preset(self.model_preset)
 
     @classmethod
     def parse(cls, kwargs: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
@@ -205,12 +221,28 @@ class PolestarLM(LM):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._rank, self._world_size = distributed.init_from_env(device)
         self._device = distributed.local_device(device)
-        dtype = args.dtype or ("bfloat16" if self._device.type == "cuda" else "float32")
         self.pretrained = args.pretrained
-        self.model = polestar.load(self.pretrained, dtype=dtype, device=self._device)
+        if self._rank == 0:  # the checkpoint's one-line facts before the load
+            announce_model(self.pretrained, args.dtype)
+        # the paper's prompt format for this checkpoint (its model preset) when an evaluation preset is asked for
+        model_preset = None
+        if self.preset is not None:
+            directory = resolve_checkpoint(self.pretrained)
+            model_preset = (model_presets.get_preset(args.model_preset) if args.model_preset
+                            else model_presets.preset_for_config(read_config(directory), directory))
+        self.chat = args.chat if args.chat is not None else bool(model_preset and model_preset.chat)
+        self.add_bos = args.add_bos_token if args.add_bos_token is not None else bool(model_preset and model_preset.add_bos)
+        if self.chat and self.add_bos:
+            raise ValueError(f"the preset of {self.pretrained} adds a BOS token; chat=true needs add_bos_token=false")
+        # dtype None: the checkpoint's own (config.json torch_dtype, else the safetensors headers): never upcast
+        self.model = polestar.load(self.pretrained, dtype=args.dtype, device=self._device)
         self.tokenizer = getattr(self.model, "tokenizer", None)
         if self.tokenizer is None:
             raise ValueError(f"checkpoint {self.pretrained} has no tokenizer; lm-eval needs one to turn text into ids")
+        if self.add_bos and not self.tokenizer.bos_token:
+            raise ValueError(f"add_bos_token=true but the tokenizer of {self.pretrained} has no BOS token; drop it")
+        if self.chat:
+            self.chat_template(True)  # raises, naming the fix, when the checkpoint has no chat template
         self.counters = DecodingCounters()
         global LAST_MODEL
         LAST_MODEL = self
@@ -222,6 +254,19 @@ class PolestarLM(LM):
         itself) or when ``add_special_tokens`` says otherwise."""
         special = self.args.add_special_tokens if self.args.add_special_tokens is not None else not self._chat_applied
         return _encode(self.tokenizer, text, special)
+
+    def _prompt_text(self, context: str) -> str:
+        """A generation context in the checkpoint's evaluation format: one user turn of the chat template
+        (``chat``), or after the tokenizer's BOS token (``add_bos_token``), else as it is."""
+        if self.chat:
+            if self._chat_applied:
+                raise ValueError("chat=true renders the chat template inside the model; drop lm-eval's "
+                                 "--apply_chat_template (or pass chat=false)")
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": context}],
+                                                      add_generation_prompt=True, tokenize=False)
+        if self.add_bos:
+            return self.tokenizer.bos_token + context
+        return context
 
     def _stage_overrides(self) -> dict[str, Any]:
         """``set.`` options and ``threshold`` over the preset's stage options (an explicit key replaces the
@@ -283,7 +328,7 @@ class PolestarLM(LM):
                              f"({self.model.spec.max_seq_len}); lower gen_length")
         prompts = []
         for text in contexts:
-            ids = self._ids(text)
+            ids = self._ids(self._prompt_text(text))
             if len(ids) > limit:
                 log.warning("context of %d tokens cut to its last %d to fit the model's context", len(ids), limit)
                 ids = ids[-limit:]
