@@ -34,7 +34,6 @@ if HAS_TRITON:
 
 __all__ = [
     "DEFAULT_EPS",
-    "DRIFT_METRICS",
     "HAS_TRITON",
     "cosine_drift",
     "cosine_drift_triton",
@@ -51,8 +50,8 @@ __all__ = [
     "reference_kl_drift",
 ]
 
-DEFAULT_EPS = 1e-10
-"""Probabilities are clamped to at least this value inside ``log`` (fp32-safe)."""
+DEFAULT_EPS = 1e-12
+"""Probabilities are clamped to at least this value inside ``log`` (fp32-safe); the drift stages' ``eps`` default."""
 
 _MAX_BLOCK = 2048
 
@@ -294,8 +293,8 @@ def js_drift(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS, backend: str = "aut
 def cosine_drift(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS, backend: str = "auto") -> Tensor:
     """Cosine dissimilarity over the last dim: ``[..., N], [..., N] -> [...]`` fp32.
 
-    See :func:`reference_cosine_drift`.  ``eps`` is accepted (and ignored) so that every entry
-    of :data:`DRIFT_METRICS` has the same signature; ``backend`` as in :func:`kl_drift`.
+    See :func:`reference_cosine_drift`.  ``eps`` is accepted (and ignored) so that the three
+    drifts share one signature; ``backend`` as in :func:`kl_drift`.
     """
     del eps
     return pick(_COS, backend, p, q)(p, q)
@@ -307,12 +306,6 @@ def entropy(logits: Tensor, backend: str = "auto") -> Tensor:
     See :func:`reference_entropy`; ``backend`` as in :func:`kl_drift`.
     """
     return pick(_ENT, backend, logits)(logits)
-
-
-DriftFn = Callable[..., Tensor]
-
-DRIFT_METRICS: dict[str, DriftFn] = {"kl": kl_drift, "js": js_drift, "cosine": cosine_drift}
-"""Drift metrics by name for the paper's ablation; each is ``fn(p, q, eps=..., backend=...)``."""
 
 
 def head_mean_kl_drift(

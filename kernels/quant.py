@@ -24,14 +24,13 @@ The Triton kernels (:func:`nvfp4_quantize_triton`, :func:`nvfp4_dequantize_trito
 bit-identical codes, scales and (fp32 / bf16 / fp16) outputs to the references, in both scale modes
 (the dequantizers read the mode from ``global_scale``: ``[]`` per tensor, ``[..., 1]`` per row).  The
 dispatchers :func:`nvfp4_quantize` / :func:`nvfp4_dequantize` pick one with ``backend``.
-:data:`QUANTIZERS` maps ``"nvfp4" | "fp8" | "none"`` to (quantize, dequantize) pairs.
+The quantizers by name are the ``quant`` stages of the stage registry (:mod:`polestar.policies.quant`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,16 +48,12 @@ __all__ = [
     "FP8_E4M3_MAX",
     "HAS_TRITON",
     "NVFP4_BLOCK_SIZE",
-    "QUANTIZERS",
     "FP8Tensor",
     "NVFP4Tensor",
-    "Quantizer",
     "fp4_decode",
     "fp4_encode",
     "fp8_dequantize",
     "fp8_quantize",
-    "identity_dequantize",
-    "identity_quantize",
     "nvfp4_dequantize",
     "nvfp4_dequantize_triton",
     "nvfp4_global_scale",
@@ -420,31 +415,6 @@ def fp8_quantize(x: Tensor) -> FP8Tensor:
 def fp8_dequantize(t: FP8Tensor) -> Tensor:
     """Inverse of :func:`fp8_quantize`: ``data [..., D] * scale [..., 1]`` -> ``[..., D]`` of ``t.dtype``."""
     return (t.data.float() * t.scale).to(t.dtype)
-
-
-def identity_quantize(x: Tensor) -> Tensor:
-    """The ``"none"`` quantizer: returns ``x`` (any shape) unchanged."""
-    return x
-
-
-def identity_dequantize(x: Tensor) -> Tensor:
-    """The ``"none"`` dequantizer: returns ``x`` (any shape) unchanged."""
-    return x
-
-
-class Quantizer(NamedTuple):
-    """A (quantize, dequantize) pair: ``dequantize(quantize(x))`` approximates ``x [..., D]``."""
-
-    quantize: Callable[[Tensor], Any]
-    dequantize: Callable[[Any], Tensor]
-
-
-QUANTIZERS: dict[str, Quantizer] = {
-    "nvfp4": Quantizer(nvfp4_quantize, nvfp4_dequantize),
-    "fp8": Quantizer(fp8_quantize, fp8_dequantize),
-    "none": Quantizer(identity_quantize, identity_dequantize),
-}
-"""Residual quantizers by name (paper default ``"nvfp4"``)."""
 
 
 def sqnr_db(x: Tensor, x_hat: Tensor) -> Tensor:

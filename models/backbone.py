@@ -7,7 +7,7 @@ expose them through the accessors used here (``layer_parts``); all compute lives
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +16,11 @@ from torch import nn
 from polestar.kernels.proxy_attention import proxy_attention
 
 from .cost import CostMeter
+from .hooks import LayerHook
 from .layers import Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
+from .text import TextDefaults
 
 
 class LayerParts(NamedTuple):
@@ -110,6 +112,10 @@ class DiffusionLM(nn.Module):
     """
 
     spec: ModelSpec
+    #: the checkpoint's tokenizer (a ``transformers.PreTrainedTokenizerBase``), None without tokenizer files
+    tokenizer: Any | None = None
+    #: the checkpoint's stop token ids and decoding defaults (``generation_config.json``), None when unknown
+    text_defaults: TextDefaults | None = None
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -162,7 +168,7 @@ class DiffusionLM(nn.Module):
         cache: DecodeCache,
         plan: Plan,
         probe: AttentionProbe | None = None,
-        hook=None,
+        hook: LayerHook | None = None,
         meter: CostMeter | None = None,
     ) -> PlanOutput:
         """Execute ``plan`` for the tokens ``ids [B, T]``, updating ``cache`` in place.
@@ -171,7 +177,7 @@ class DiffusionLM(nn.Module):
         same; otherwise the stored layer input, into which layer ``l-1``'s outputs were written first) and runs
         one pass over the layer's weights (see :meth:`layer_step`).
 
-        ``hook`` (optional, a sparse-update controller, :class:`polestar.stages.LayerHook`) adds rows to each
+        ``hook`` (optional, a sparse-update controller, :class:`~polestar.models.hooks.LayerHook`) adds rows to each
         layer's pass: ``extra_rows(layer, h, meter)`` → :class:`ExtraRows` (through q, k, v), ``members(layer, LayerQKV)`` →
         :class:`MemberRows` (through attention, o and the MLP) and ``after_layer(layer, out)``. ``meter`` (optional)
         counts what the pass reads and computes.
@@ -236,7 +242,8 @@ class DiffusionLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         return Rotary.apply(q, cos, sin)
 
-    def layer_step(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook, meter: CostMeter):
+    def layer_step(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook: LayerHook | None,
+                   meter: CostMeter):
         """One pass over layer ``layer``'s weights: each projection (q, k, v, o, gate, up, down) is applied once,
         to the plan's rows ``h [B, C, d]`` (slots ``index``, RoPE ``positions [B, C]``) concatenated with the
         hook's rows.

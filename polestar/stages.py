@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from polestar.models.backbone import AttentionProbe
+from polestar.models.hooks import LayerHook as LayerHookProtocol
 from polestar.models.plan import DecodeCache, Plan
 
 from .state import CommitSelection, DecodeState, Prediction, SuffixCommit
@@ -53,37 +54,15 @@ class Stage:
         return f"{type(self).__name__}({self.config})"
 
 
-class LayerHook:
-    """A per-layer controller of one forward (sparse updates), made by a refresh selector for one step.
+class LayerHook(LayerHookProtocol):
+    """The layer-hook contract of :class:`polestar.models.hooks.LayerHook` with do-nothing defaults: a refresh
+    selector's :meth:`RefreshSelector.hook` returns a subclass for one step's forward (sparse updates).
 
-    The backbone's one pass over each layer's weights (:meth:`polestar.models.backbone.DiffusionLM.layer_step`)
-    calls, at layer ``l``: ``extra_rows(l, h, meter)`` → :class:`~polestar.models.backbone.ExtraRows` or None (rows that go
-    through the layer's q, k, v with the plan's rows ``h [B, C, d]``); after the K/V writes,
-    ``members(l, qkv: LayerQKV)`` → :class:`~polestar.models.backbone.MemberRows` or None (rows that go through
-    attention, o and the MLP with the plan's rows); then ``after_layer(l, out [B, M, d])`` with their outputs.
-
-    ``evals``: ``[B]`` long, positions of each sequence the hook computed (counted as that sequence's compute);
-    ``head_rows``: ``[B, M, d]`` last-layer rows that want logits with the block's (the update packet), with
-    ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False when the hook decides on the host
-    (the step then runs eagerly); ``detail``: the step's :class:`~polestar.state.StepDetail` while an observer
-    records (set by the step), else None.
+    ``detail``: the step's :class:`~polestar.state.StepDetail` while an observer records (set by the step), else
+    None.
     """
 
-    compilable = True
     detail = None
-    evals: torch.Tensor
-    head_rows: torch.Tensor | None = None
-    head_positions: torch.Tensor | None = None
-    head_valid: torch.Tensor | None = None
-
-    def extra_rows(self, layer: int, h: torch.Tensor, meter):
-        return None
-
-    def members(self, layer: int, qkv):
-        return None
-
-    def after_layer(self, layer: int, out: torch.Tensor) -> None:
-        """Receives the outputs of the rows ``members`` returned."""
 
 
 class RefreshSelector(Stage):

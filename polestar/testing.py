@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-import polestar
 from polestar import contracts, registry
+from polestar.api import generate
 from polestar.models.loading import build_model
 from polestar.plugins import load_plugins
-from polestar.policy import get_policy
+from polestar.policy import get_policy, policy_names
 
 #: the small random model's spec (token ids 38 / 39 are EOS / mask): fast enough for many decodes per test
 TINY = dict(
@@ -71,7 +71,7 @@ def host_policy(kind: str) -> str:
     registered policy that has one (a drift stage goes where a stage reads drift)."""
     if kind in get_policy("fast-dllm").stages:
         return "fast-dllm"
-    return next(p for p in polestar.policy_names() if kind in get_policy(p).stages)
+    return next(p for p in policy_names() if kind in get_policy(p).stages)
 
 
 # ----------------------------------------------------------------------------------------------- stage level
@@ -211,7 +211,7 @@ def check_contract(kind: str, name: str, examples: int = 12, seed: int = 0) -> N
     if kind in _CONTRACTS:
         _CONTRACTS[kind](name, gen, examples)
     else:
-        polestar.generate(_shared_model("llada"), PROMPTS, policy=host_policy(kind), gen_length=16, block_length=8,
+        generate(_shared_model("llada"), PROMPTS, policy=host_policy(kind), gen_length=16, block_length=8,
                           check_stages=True, **{kind: name})
 
 
@@ -245,7 +245,7 @@ def check_decode_invariants(model, policy: str, prompts, swap: dict[str, Any] | 
     """Decode ``prompts`` with every stage output checked and :func:`check_step` on every step; each sequence
     terminates within ``gen_length`` forward passes with every position decided. Returns the output."""
     records: list = []
-    out = polestar.generate(model, prompts, policy=policy, gen_length=gen_length, block_length=block_length,
+    out = generate(model, prompts, policy=policy, gen_length=gen_length, block_length=block_length,
                             on_step=records.append, check_stages=True, **decoding, **(swap or {}))
     mask_id, eos_id = model.spec.mask_id, model.spec.eos_id
     for record in records:
@@ -262,7 +262,7 @@ def check_decode_invariants(model, policy: str, prompts, swap: dict[str, Any] | 
 def check_determinism(model, policy: str, swap: dict[str, Any] | None = None, temperature: float = 0.0,
                       prompts=PROMPTS, gen_length: int = 16, block_length: int = 8) -> None:
     """The same seed gives the same tokens and step counts (sampled too, with ``temperature`` > 0)."""
-    runs = [polestar.generate(model, prompts, policy=policy, temperature=temperature, seed=7, gen_length=gen_length,
+    runs = [generate(model, prompts, policy=policy, temperature=temperature, seed=7, gen_length=gen_length,
                               block_length=block_length, **(swap or {})) for _ in range(2)]
     assert torch.equal(runs[0].tokens, runs[1].tokens), f"{policy} {swap or ''}: the same seed gave other tokens"
     assert [s.nfe for s in runs[0].stats.sequences] == [s.nfe for s in runs[1].stats.sequences]
@@ -273,9 +273,9 @@ def check_batch_invariance(model, policy: str, swap: dict[str, Any] | None = Non
     """Each prompt decodes to the same tokens alone and in the batch (greedy, fp32; prompts of different lengths,
     so left padding is exercised)."""
     kw = dict(policy=policy, gen_length=gen_length, block_length=block_length, **(swap or {}))
-    batch = polestar.generate(model, prompts, **kw).generations
+    batch = generate(model, prompts, **kw).generations
     for i, prompt in enumerate(prompts):
-        alone = polestar.generate(model, [prompt], **kw).generations[0]
+        alone = generate(model, [prompt], **kw).generations[0]
         assert torch.equal(batch[i], alone), f"{policy} {swap or ''}: prompt {i} decodes differently alone and " \
             "in the batch"
 

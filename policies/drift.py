@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from polestar.kernels.drift import cosine_drift, js_drift, kl_drift
+from polestar.kernels.drift import DEFAULT_EPS, cosine_drift, entropy, js_drift, kl_drift
 from polestar.registry import register
 from polestar.stages import Stage
 
@@ -26,7 +26,7 @@ class DriftMetric(Stage):
 class EpsConfig:
     """``eps``: floor of probabilities inside logarithms."""
 
-    eps: float = attrs.field(default=1e-12, validator=attrs.validators.gt(0))
+    eps: float = attrs.field(default=DEFAULT_EPS, validator=attrs.validators.gt(0))
 
 
 class _PairwiseDrift(DriftMetric):
@@ -69,5 +69,4 @@ class UncertaintyDrift(DriftMetric):
         pass
 
     def score(self, cur, prev):
-        p = cur.float()
-        return (-(p * p.clamp_min(1e-30).log()).sum(-1)).clamp_min(0).mean(dim=1)
+        return entropy(cur.float().log()).mean(dim=1)  # softmax(log p) = p; log 0 = -inf contributes 0

@@ -229,8 +229,7 @@ def test_auto_backend_on_cpu_is_reference():
     assert torch.equal(dr.js_drift(p, q), dr.reference_js_drift(p, q))
     assert torch.equal(dr.cosine_drift(p, q), dr.reference_cosine_drift(p, q))
     assert torch.equal(dr.entropy(x), dr.reference_entropy(x))
-    assert set(dr.DRIFT_METRICS) == {"kl", "js", "cosine"}
-    for fn in dr.DRIFT_METRICS.values():
+    for fn in (dr.kl_drift, dr.js_drift, dr.cosine_drift):  # one signature: (p, q, eps, backend)
         assert fn(p, q, eps=EPS, backend="reference").shape == (3,)
     with pytest.raises(ValueError):
         dr.kl_drift(p, q, backend="cuda")

@@ -262,10 +262,8 @@ def test_fp8_and_identity_and_registry():
     assert qt.sqnr_db(x, y) > 25
     amax = x.float().abs().amax(-1, keepdim=True)
     assert ((y.float() - x.float()).abs() <= amax / 16 + 1e-6).all()
-    assert qt.identity_dequantize(qt.identity_quantize(x)) is x
-    assert set(qt.QUANTIZERS) == {"nvfp4", "fp8", "none"}
-    for quantizer in qt.QUANTIZERS.values():
-        xh = quantizer.dequantize(quantizer.quantize(x))
+    for quantize, dequantize in ((qt.nvfp4_quantize, qt.nvfp4_dequantize), (qt.fp8_quantize, qt.fp8_dequantize)):
+        xh = dequantize(quantize(x))
         assert xh.shape == x.shape and xh.dtype == x.dtype and qt.sqnr_db(x, xh) > 18
 
 

@@ -1,0 +1,53 @@
+"""The layer-hook contract: how a per-step controller adds rows to the backbone's one pass over each layer.
+
+The backbone (:meth:`polestar.models.backbone.DiffusionLM.run_plan`) calls a hook three times per layer; a refresh
+selector makes one hook per step for sparse updates (Polestar's update packets, Elastic-Cache's members). The
+protocol lives with the model so the backbone can type the argument it calls; the core's stage base class
+:class:`polestar.stages.LayerHook` is this protocol with do-nothing defaults.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:  # the backbone's row types, imported for annotations only (the backbone imports this module)
+    from .backbone import ExtraRows, LayerQKV, MemberRows
+    from .cost import CostMeter
+
+
+class LayerHook(Protocol):
+    """A per-layer controller of one forward pass (sparse updates).
+
+    At layer ``l`` the backbone's one pass over the layer's weights calls, in order:
+
+    1. ``extra_rows(l, h, meter)`` → :class:`~polestar.models.backbone.ExtraRows` or None: rows that go through the
+       layer's q, k, v together with the plan's rows ``h [B, C, d]``;
+    2. after the K/V writes, ``members(l, qkv)`` with :class:`~polestar.models.backbone.LayerQKV` →
+       :class:`~polestar.models.backbone.MemberRows` or None: rows that go through attention, o and the MLP with
+       the plan's rows;
+    3. ``after_layer(l, out [B, M, d])`` with those rows' outputs.
+
+    Attributes read after the pass: ``evals`` ``[B]`` long, positions of each sequence the hook computed (counted
+    as that sequence's compute); ``head_rows`` ``[B, M, d]`` last-layer rows that want logits with the block's (an
+    update packet), with ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False when the hook
+    decides on the host (the step then runs eagerly).
+    """
+
+    compilable: bool = True
+    evals: torch.Tensor
+    head_rows: torch.Tensor | None = None
+    head_positions: torch.Tensor | None = None
+    head_valid: torch.Tensor | None = None
+
+    def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | None:
+        """Rows to add to layer ``layer``'s q/k/v pass, or None (default)."""
+        return None
+
+    def members(self, layer: int, qkv: LayerQKV) -> MemberRows | None:
+        """Rows to add to layer ``layer``'s attention, o and MLP, picked from ``qkv``, or None (default)."""
+        return None
+
+    def after_layer(self, layer: int, out: torch.Tensor) -> None:
+        """Receives the outputs ``[B, M, d]`` of the rows ``members`` returned."""
