@@ -116,6 +116,8 @@ class DiffusionLM(nn.Module):
     tokenizer: Any | None = None
     #: the checkpoint's stop token ids and decoding defaults (``generation_config.json``), None when unknown
     text_defaults: TextDefaults | None = None
+    #: the checkpoint directory the model was loaded from, None for a model built in memory
+    name_or_path: str | None = None
 
     def __init__(self, spec: ModelSpec):
         super().__init__()

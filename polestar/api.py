@@ -113,12 +113,47 @@ def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system:
     return ids.to(model.device), mask.to(model.device)
 
 
+#: generation and block length when neither the call nor a preset gives them (``polestar generate``'s defaults)
+DEFAULT_LENGTHS = {"gen_length": 64, "block_length": 16}
+
+
+def length_defaults(model: DiffusionLM) -> dict[str, int]:
+    """``gen_length`` and ``block_length`` for ``model``: its preset's when it was loaded from a published
+    checkpoint, else :data:`DEFAULT_LENGTHS` with the generation length capped at half the model's context (in
+    whole blocks, at least one block)."""
+    from polestar import presets
+    from polestar.models.loading import read_config
+
+    directory = getattr(model, "name_or_path", None)
+    preset = None
+    if directory is not None and (Path(directory) / "config.json").is_file():
+        preset = presets.preset_for_config(read_config(Path(directory)), directory)
+    if preset is not None:
+        return {k: preset.decoding[k] for k in DEFAULT_LENGTHS}
+    block = DEFAULT_LENGTHS["block_length"]
+    fit = max(block, model.spec.max_seq_len // 2 // block * block)
+    return {"gen_length": min(DEFAULT_LENGTHS["gen_length"], fit), "block_length": block}
+
+
+def _task_prompts(task: str, prompts: Any) -> list[str]:
+    """Each string prompt in ``task``'s prompt layout (ValueError naming the task and the bad prompt)."""
+    from polestar.bench.tasks import get_task
+
+    fmt = get_task(task).format_prompt
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not (isinstance(prompts, Sequence) and all(isinstance(p, str) for p in prompts)):
+        raise ValueError(f"task={task!r} formats string prompts; pass strings (e.g. \"3+4*2-5\"), or token ids "
+                         "without task=")
+    return [fmt(p) for p in prompts]
+
+
 def generate(
     model: DiffusionLM,
     prompts: Any,
     policy: str | Pipeline = "fast-dllm",
-    gen_length: int = 256,
-    block_length: int = 32,
+    gen_length: int | None = None,
+    block_length: int | None = None,
     steps: int | None = None,
     temperature: float | None = None,
     seed: int = 0,
@@ -129,6 +164,7 @@ def generate(
     system: str | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
     check_stages: bool | None = None,
+    task: str | None = None,
     **overrides: Any,
 ) -> GenerationOutput:
     """Decode ``prompts`` with ``policy``: a registered policy name (see ``polestar policies``) or a
@@ -146,7 +182,19 @@ def generate(
     :class:`~polestar.state.StepRecord` after every step (for tests and diagnostics such as ``polestar anatomy``).
     ``check_stages=True`` checks every stage output against its contract (:mod:`polestar.contracts`; default: the
     environment variable ``POLESTAR_CHECK_STAGES``).
+
+    ``gen_length`` / ``block_length`` None take the settings of the published checkpoint's preset when the model
+    was loaded from one (recognised from its config.json, as ``polestar generate`` does), else
+    :data:`DEFAULT_LENGTHS`, with the generation length capped at half the model's context. ``task`` (a task of
+    ``polestar.bench.tasks``, e.g. ``"arith"``) formats each string prompt with the task's prompt layout, as
+    ``polestar generate --task`` does: ``generate(model, ["3+4*2-5"], task="arith")``.
     """
+    if gen_length is None or block_length is None:
+        lengths = length_defaults(model)
+        gen_length = lengths["gen_length"] if gen_length is None else gen_length
+        block_length = lengths["block_length"] if block_length is None else block_length
+    if task is not None:
+        prompts = _task_prompts(task, prompts)
     defaults = getattr(model, "text_defaults", None)
     if temperature is None:
         temperature = defaults.decoding.get("temperature", 0.0) if defaults is not None else 0.0
