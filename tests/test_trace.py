@@ -264,3 +264,27 @@ def test_the_page_loads_in_a_headless_browser(sudoku_trace, tmp_path):
     colors = image.getcolors(maxcolors=1 << 20)
     assert len(colors) > 50  # drawn, not blank
     assert max(count for count, _ in colors) < 0.95 * image.size[0] * image.size[1]
+
+
+@pytest.mark.parametrize("name", ["polestar", "elastic-cache"])
+def test_a_compiled_step_records_the_same_details(name):
+    """Under ``torch.compile`` (the ``eager`` backend: dynamo captures each step whole) the stages' details are
+    the compiled step's outputs, equal to the eager ones."""
+    model = make_model("llada", seed=3, n_layers=2, d_model=32)
+    runs = []
+    for compile in (False, "eager"):
+        records = []
+        out = polestar.generate(model, [PROMPT], policy=name, on_step=records.append, compile=compile, **DECODING)
+        runs.append((out, records))
+    (eager, eager_records), (compiled, compiled_records) = runs
+    assert compiled.stats.compiled_steps == compiled.stats.nfe > 0
+    assert compiled.tokens.tolist() == eager.tokens.tolist()
+    for a, b in zip(eager_records, compiled_records):
+        assert a.cost == b.cost
+        assert sorted(a.detail.refreshed) == sorted(b.detail.refreshed)
+        for layer, (positions, valid) in a.detail.refreshed.items():
+            assert torch.equal(positions, b.detail.refreshed[layer][0]) and torch.equal(valid, b.detail.refreshed[layer][1])
+        for layer, c in a.detail.clusters.items():
+            assert torch.allclose(c.drift, b.detail.clusters[layer].drift) and torch.equal(c.chosen, b.detail.clusters[layer].chosen)
+        for layer, t in a.detail.triggered.items():
+            assert torch.equal(t, b.detail.triggered[layer])
