@@ -6,6 +6,10 @@ once per setting, and compare the two JSON files with ``polestar agree A.json B.
 --policy-b Q`` compares policy ``P`` of run A with policy ``Q`` of run B instead (e.g. ``parallel`` against a
 ``polestar-cache`` configuration that should equal it).
 
+Both runs' manifests (:mod:`~polestar.bench.manifest`) are compared first: runs that differ in more than one
+setting or environment entry (the compared one) are refused unless ``--allow-differences``; with ``--policy-a``
+and ``--policy-b`` the policies and their labels are the compared setting and may differ besides.
+
 The generations in a benchmark JSON are decoded text; with the shipped character-level tokenizer one character
 is one token, so the character mismatch rate is the token mismatch rate.
 """
@@ -13,8 +17,11 @@ is one token, so the character mismatch rate is the token mismatch rate.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+from polestar.bench.manifest import manifest_diff, manifest_path
 
 
 def _mismatches(a: str, b: str) -> int:
@@ -87,7 +94,35 @@ def format_agreement(result: dict[str, dict[str, float]], title: str) -> str:
     return "\n".join(lines)
 
 
-def agree_cli(path_a: str, path_b: str, policy_a: str | None = None, policy_b: str | None = None) -> int:
+def run_manifest(run: dict[str, Any], path: str | Path) -> dict[str, Any] | None:
+    """The manifest of a bench run: inside its JSON, else the ``.manifest.json`` file beside it, else None."""
+    if isinstance(run.get("manifest"), dict):
+        return run["manifest"]
+    beside = manifest_path(path)
+    if beside.is_file():
+        return json.loads(beside.read_text())
+    return None
+
+
+def check_comparable(manifests: list[dict[str, Any] | None], paths: list[str], by_policy: bool,
+                     allow: bool) -> list[str]:
+    """The differences between two runs' manifests; a ValueError when they differ in more than one entry (the
+    setting compared) and ``allow`` is not given. ``by_policy``: policies and labels are compared on purpose."""
+    if any(m is None for m in manifests):
+        missing = [p for p, m in zip(paths, manifests) if m is None]
+        print(f"note: {', '.join(missing)} carries no manifest (a run from before manifests); its settings are not "
+              "checked", file=sys.stderr)
+        return []
+    ignore = ("settings.policies",) if by_policy else ()
+    diff = manifest_diff(manifests[0], manifests[1], ignore)
+    if len(diff) > 1 and not allow:
+        raise ValueError(f"the runs differ in more than the compared setting: {'; '.join(diff)}; rerun one of them "
+                         "so that only the compared setting differs, or pass --allow-differences")
+    return diff
+
+
+def agree_cli(path_a: str, path_b: str, policy_a: str | None = None, policy_b: str | None = None,
+              allow_differences: bool = False) -> int:
     runs = []
     for path in (path_a, path_b):
         p = Path(path)
@@ -100,6 +135,9 @@ def agree_cli(path_a: str, path_b: str, policy_a: str | None = None, policy_b: s
         if not isinstance(run, dict) or not isinstance(run.get("items"), list):
             raise ValueError(f"{path} has no 'items' list; is it the output of `polestar bench ... --json`?")
         runs.append(run)
+    manifests = [run_manifest(run, path) for run, path in zip(runs, (path_a, path_b))]
+    diff = check_comparable(manifests, [path_a, path_b], policy_a is not None, allow_differences)
     result = compare_runs(*runs, policy_a=policy_a, policy_b=policy_b)
-    print(format_agreement(result, f"A = {path_a}\nB = {path_b}"))
+    compared = f"\ncompared: {'; '.join(diff)}" if diff else ""
+    print(format_agreement(result, f"A = {path_a}\nB = {path_b}{compared}"))
     return 0

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import polestar
-from polestar.bench.item_log import ItemLog, check_writable, items_path
+from polestar.bench.item_log import (
+    ItemLog,
+    check_previous,
+    check_writable,
+    describe_settings,
+    items_path,
+    write_atomic,
+)
+from polestar.bench.manifest import build_manifest, manifest_path
 from polestar.bench.tasks import get_task
-from polestar.bench.tasks.base import Problem, split
+from polestar.bench.tasks.base import Problem, check_split_size, split
 from polestar.evaluation import distributed
 from polestar.policy import Pipeline
 from polestar.registry import KINDS
+
+#: The most problems one bench run generates: every problem and record is held in memory (a larger evaluation
+#: is several runs, or ``--data`` files).
+MAX_PROBLEMS = 1_000_000
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -28,11 +41,27 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0) -> list[Problem]:
-    """``n`` test problems of ``task_name`` (generated), or the first ``n`` records of a JSONL ``data`` file with
-    ``{"input": ..., "output": ...}`` (Dream's Countdown / Sudoku evaluation layout)."""
+def check_problem_count(task_name: str, n: int) -> None:
+    """ValueError, before any problem is generated, for ``n`` above :data:`MAX_PROBLEMS` or above what the task's
+    test split can hold distinctly (:func:`~polestar.bench.tasks.base.check_split_size`), naming the limit."""
+    if n > MAX_PROBLEMS:
+        raise ValueError(f"--n {n:,} is more than one bench run generates ({MAX_PROBLEMS:,}: every problem is held "
+                         "in memory); split the evaluation into several runs or pass --data files")
+    check_split_size(get_task(task_name), n, "test")
+
+
+def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0,
+                  show_progress: bool = False) -> list[Problem]:
+    """``n`` test problems of ``task_name`` (generated; with ``show_progress`` a progress bar on stderr), or the
+    first ``n`` records of a JSONL ``data`` file with ``{"input": ..., "output": ...}`` (Dream's Countdown /
+    Sudoku evaluation layout)."""
     if data is None:
-        return split(get_task(task_name), n, "test", seed)
+        check_problem_count(task_name, n)
+        bar = _progress(n, show_progress, desc="problems")
+        if bar is None:
+            return split(get_task(task_name), n, "test", seed)
+        with bar:
+            return split(get_task(task_name), n, "test", seed, progress=lambda k: bar.update(1))
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"--data file {data} does not exist")
@@ -64,7 +93,7 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
 
 #: Fields of a bench item in the ``--json`` output (``error``: why decoding stopped early, e.g. non-finite logits,
 #: else None); the items JSONL also keeps the per-item counters.
-ITEM_FIELDS = ("policy", "input", "generation", "correct", "nfe", "error")
+ITEM_FIELDS = ("policy", "label", "input", "generation", "correct", "nfe", "error")
 
 
 #: Counters of a whole batch (:class:`~polestar.stats.RunStats`) that each record carries a share of: ``steps``
@@ -150,8 +179,35 @@ def summarize(records: list[dict], stages: dict | None) -> dict:
 
 
 def public_item(record: dict) -> dict:
-    """The :data:`ITEM_FIELDS` of a record (what ``--json`` lists under ``items``)."""
-    return {k: record[k] for k in ITEM_FIELDS}
+    """The :data:`ITEM_FIELDS` of a record (what ``--json`` lists under ``items``; ``label`` defaults to the
+    policy name)."""
+    return {k: record.get(k, record["policy"]) if k == "label" else record[k] for k in ITEM_FIELDS}
+
+
+def _value_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def applied_overrides(policy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``--set`` options of ``options`` that apply to ``policy`` (a stage of it takes them; a stage swap it
+    can make), in key order."""
+    return {k: options[k] for k in sorted(options) if _accepts(policy, k, options[k], options)}
+
+
+def policy_label(policy: str, options: dict[str, Any]) -> str:
+    """``policy`` with the ``--set`` overrides that apply to it: ``fast-dllm[commit=entropy-bound]``, or the bare
+    name without any. Table rows, plot labels and JSON records carry it."""
+    applied = applied_overrides(policy, options)
+    if not applied:
+        return policy
+    return f"{policy}[{','.join(f'{k}={_value_text(v)}' for k, v in applied.items())}]"
+
+
+def run_header(model_name: str, task_name: str, n: int, data: str | None, decoding: dict[str, Any],
+               options: dict[str, Any], batch_size: int, dtype: str, device: str) -> dict[str, Any]:
+    """The settings that decide a bench run's items (the items file's header; ``--resume`` needs them equal)."""
+    return {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
+            "batch_size": batch_size, "dtype": dtype, "device": str(device)}
 
 
 def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, options: dict[str, Any],
@@ -186,13 +242,15 @@ def format_table(summary: dict[str, dict], title: str) -> str:
     """The ``polestar bench`` table: accuracy, 95% interval, TPF, TPS, evaluations per token and NFE per policy,
     then the step-cost columns (:data:`COST_COLUMNS`, bytes with SI prefixes) when the summaries carry them."""
     costs = [(head, key) for head, key in COST_COLUMNS if all(key in s for s in summary.values())]
-    head = f"{'policy':18s} {'accuracy':>9s} {'95% CI':>15s} {'TPF':>6s} {'TPS':>8s} {'evals/tok':>10s} {'NFE':>7s}"
+    labels = {name: s.get("label", name) for name, s in summary.items()}
+    w = max([18, *(len(label) for label in labels.values())])
+    head = f"{'policy':{w}s} {'accuracy':>9s} {'95% CI':>15s} {'TPF':>6s} {'TPS':>8s} {'evals/tok':>10s} {'NFE':>7s}"
     head += "".join(f" {h:>9s}" for h, _ in costs)
     lines = [title, head, "-" * len(head)]
     for name, s in summary.items():
         lo, hi = s["accuracy_ci95"]
         lines.append(
-            f"{name:18s} {100 * s['accuracy']:8.1f}% [{100 * lo:5.1f},{100 * hi:5.1f}] {s['tpf']:6.2f} "
+            f"{labels[name]:{w}s} {100 * s['accuracy']:8.1f}% [{100 * lo:5.1f},{100 * hi:5.1f}] {s['tpf']:6.2f} "
             f"{s['tps']:8.1f} {s['token_layer_evals_per_token']:10.1f} {s['nfe']:7.1f}"
             + "".join(f" {si(s[key]):>9s}" for _, key in costs)
         )
@@ -208,7 +266,8 @@ def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    pts = sorted((s["tpf"], 100 * s["accuracy"], name, s["accuracy_ci95"]) for name, s in summary.items())
+    pts = sorted((s["tpf"], 100 * s["accuracy"], s.get("label", name), s["accuracy_ci95"])
+                 for name, s in summary.items())
     for tpf, acc, name, (lo, hi) in pts:
         ax.errorbar(tpf, acc, yerr=[[max(acc - 100 * lo, 0.0)], [max(100 * hi - acc, 0.0)]], fmt="o", capsize=3)
         ax.annotate(name, (tpf, acc), fontsize=8, xytext=(3, 3), textcoords="offset points")
@@ -224,20 +283,23 @@ def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
     ax.set_ylabel("accuracy (%), 95% interval")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, writer=lambda tmp: fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png"))
     plt.close(fig)
 
 
 def run_bench(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
-              decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str = "float32",
+              decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str | None = None,
               device: str = "cpu", show_progress: bool = True, json_out: str | None = None,
-              resume: bool = False) -> dict:
-    """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}}}``.
+              resume: bool = False, overwrite: bool = False) -> dict:
+    """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}},
+    "manifest": {...}}`` (items and summaries carry each policy's ``label`` with its overrides).
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the batches are dealt round robin to the ranks and every rank returns
     the gathered result (items in problem order; each batch is the one a single process decodes, so the items
     equal a single-process run). With ``json_out`` each finished batch is appended to the items file beside it
-    (:mod:`~polestar.bench.item_log`); ``resume`` reuses the batches already there.
+    (:mod:`~polestar.bench.item_log`) and the manifest is written beside it first
+    (:mod:`~polestar.bench.manifest`); ``resume`` reuses the batches already there; finished items from an
+    earlier run without ``resume`` are a ValueError unless ``overwrite`` (which moves the old files aside).
     """
     check_run_args(policies, n, batch_size)
     task = get_task(task_name)
@@ -248,16 +310,22 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
             polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing valid options
     if resume and json_out is None:
         raise ValueError("--resume needs --json OUT.json (the finished items are kept beside it)")
-    header = {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
-              "batch_size": batch_size, "dtype": dtype, "device": str(device)}  # as asked: same on every rank
+    if data is None:
+        check_problem_count(task_name, n)
+    header = run_header(model_name, task_name, n, data, decoding, options, batch_size, dtype, device)  # as asked
+    labels = {name: policy_label(name, options) for name in policies}
+    manifest = build_manifest({**header, "policies": policies, "labels": labels}, str(device))
+    previous = check_previous(json_out, header, resume, overwrite) if json_out else None
     rank, world_size = distributed.init_from_env(device)
     device = distributed.local_device(device)
     log = ItemLog(json_out, header, rank, world_size) if json_out else None
-    finished = log.finished() if log is not None and resume else {}
+    finished = previous.records if previous is not None else {}
     if log is not None:
-        log.start(resume)
+        log.start(previous, overwrite, extra=[Path(json_out), manifest_path(json_out)])
+        if rank == 0:
+            write_atomic(manifest_path(json_out), json.dumps(manifest, indent=1))
     model = polestar.load(model_name, dtype=dtype, device=device)
-    problems = load_problems(task_name, n, data)
+    problems = load_problems(task_name, n, data, show_progress=show_progress and rank == 0)
     starts = list(range(0, len(problems), batch_size))
     mine = [starts[b] for b in distributed.shard(len(starts), rank, world_size)]
     items, summary = [], {}
@@ -274,6 +342,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
                 records, _ = decode_batch(model, task, chunk, name, opts, decoding)
                 for i, rec in enumerate(records):
                     rec["index"] = start + i
+                    rec["label"] = labels[name]
                 if log is not None:
                     log.append(records)
             local += records
@@ -281,12 +350,14 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
                 bar.update(len(chunk))
         records = sorted((r for part in distributed.all_gather_objects(local) for r in part), key=lambda r: r["index"])
         items += [public_item(r) for r in records]
-        summary[name] = summarize(records, polestar.assemble(name, opts).describe())
+        summary[name] = {"label": labels[name], "overrides": applied_overrides(name, options),
+                         **summarize(records, polestar.assemble(name, opts).describe())}
     if bar is not None:
         bar.close()
     return {
         "model": model_name, "task": task_name, "n": len(problems), "decoding": decoding, "options": options,
-        "items": items, "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "items": items, "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "manifest": manifest,
+        "dtype": str(model.dtype).removeprefix("torch."),  # the dtype the weights were loaded in
     }
 
 
@@ -339,14 +410,14 @@ def _accepts(policy: str, key: str, value: Any, options: dict[str, Any]) -> bool
     return True
 
 
-def _progress(total: int, show: bool):
+def _progress(total: int, show: bool, desc: str = "bench"):
     if not show:
         return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is in the bench/test extras
         return None
-    return tqdm(total=total, desc="bench", unit="problem")
+    return tqdm(total=total, desc=desc, unit="problem")
 
 
 def check_run_args(policies: list[str], n: int, batch_size: int) -> None:
@@ -392,7 +463,12 @@ def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) 
     for flag, path in (("--json", args.json_out), ("--plot", getattr(args, "plot", None))):
         cc.check_output_file(flag, path)
     cc.check_plot_backend(getattr(args, "plot", None))
-    if args.data is not None:
+    if args.data is None:
+        try:
+            check_problem_count(args.task, args.n)
+        except ValueError as err:
+            raise cc.UsageError(cc.one_line(err)) from None
+    else:
         try:
             load_problems(args.task, args.n, args.data)
         except (ValueError, FileNotFoundError) as err:
@@ -407,15 +483,38 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     from polestar.cli_checks import UsageError, working
 
     policies = check_problem_args(args, options, decoding)
-    resume = getattr(args, "resume", False)
-    if resume and not args.json_out:
-        raise UsageError("--resume needs --json OUT.json (the finished items are kept beside it)")
-    check_writable([args.json_out, args.plot, items_path(args.json_out) if args.json_out else None])
+    resume, overwrite = getattr(args, "resume", False), getattr(args, "overwrite", False)
+    if (resume or overwrite) and not args.json_out:
+        flag = "--resume" if resume else "--overwrite"
+        raise UsageError(f"{flag} needs --json OUT.json (the finished items are kept beside it)")
+    outputs = [args.json_out, args.plot]
+    if args.json_out:
+        outputs += [items_path(args.json_out), manifest_path(args.json_out)]
+    check_writable(outputs)
+    if args.json_out:
+        header = run_header(args.model, args.task, args.n, args.data, decoding, options, args.batch_size, args.dtype,
+                            args.device)
+        try:
+            previous = check_previous(args.json_out, header, resume, overwrite)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        if resume and distributed.rank() == 0:
+            counts = ", ".join(f"{p} {k}" for p, k in sorted(previous.counts().items())) or "none"
+            where = ", ".join(str(p) for p in previous.paths) or "no items file yet"
+            print(f"resume: reusing {len(previous.records)} finished items ({counts}) from {where}; written with "
+                  f"{describe_settings(previous.header) if previous.header else 'no header'}", file=sys.stderr)
+        elif overwrite and previous.paths and distributed.rank() == 0:
+            print(f"overwrite: the earlier files ({', '.join(str(p) for p in previous.paths)}) are kept beside the "
+                  "new ones as *.old-<time>", file=sys.stderr)
+    if distributed.rank() == 0:
+        from polestar.inspection import announce_model
+
+        announce_model(args.model, args.dtype)
     try:
         with working("bench"):
             result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size,
                                args.data, args.dtype, args.device, show_progress=not args.quiet,
-                               json_out=args.json_out, resume=resume)
+                               json_out=args.json_out, resume=resume, overwrite=overwrite)
         rank = distributed.rank()
         distributed.barrier()  # every rank finishes before any leaves the process group
     finally:
@@ -425,6 +524,8 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     title = f"{args.model} / {args.task} / n={result['n']} / gen {args.gen_length} block {args.block_length}"
     if not args.stop_at_eos:
         title += " / no stop at EOS"
+    if options:
+        title += " / set " + " ".join(f"{k}={_value_text(v)}" for k, v in sorted(options.items()))
     print(format_table(result["summary"], title))
     if args.compile:
         print("compile time (excluded from TPS): " + ", ".join(
@@ -434,7 +535,7 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
                                              args.batch_size, args.dtype, args.device)
         print(format_profile(result["profile"]))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        write_atomic(args.json_out, json.dumps(result, indent=1))
     if args.plot:
         pareto_plot(result["summary"], args.plot, title)
     failed = [item for item in result["items"] if item.get("error")]

@@ -1,18 +1,24 @@
-"""Finished bench items kept on disk, so an interrupted ``polestar bench`` resumes where it stopped.
+"""Finished bench items kept on disk, so an interrupted ``polestar bench`` resumes where it stopped and no finished
+item is ever dropped silently.
 
 Beside ``--json OUT.json`` each process appends every finished batch to ``OUT.items.jsonl`` (rank ``r`` of a
-multi-process run: ``OUT.items.rank<r>.jsonl``). The first line of a file is a header with the run's settings
-(model, task, problems, decoding, options, batch size, dtype, device); ``--resume`` reads every items file of
-``OUT``, refuses files written with other settings, and skips the batches whose items are all there. A line cut
-short by a kill is ignored.
+multi-process run: ``OUT.items.rank<r>.jsonl``), one flushed and fsynced write per batch, so a kill loses at most
+the batch in flight. The first line of a file is a header with the run's settings (model, task, problems,
+decoding, options, batch size, dtype, device). Before any work :func:`check_previous` reads the files already
+there: ``--resume`` reuses their items when the headers equal this run's settings (else a usage error naming the
+settings that differ); without ``--resume`` finished items are a usage error offering ``--resume`` or
+``--overwrite``; ``--overwrite`` moves the old files aside (``*.old-<time>``) and starts over. A line cut short by a
+kill is ignored. Summaries and plots are written whole or not at all (:func:`write_atomic`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from polestar.evaluation import distributed
 
@@ -35,6 +41,109 @@ def _canonical(obj: Any) -> Any:
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
 
 
+def _read_file(path: Path) -> tuple[dict | None, list[dict]]:
+    """The header and the complete records of one items file (a line cut short by a kill is skipped)."""
+    lines = path.read_text().splitlines()
+    header, records = None, []
+    if lines:
+        try:
+            header = json.loads(lines[0]).get("header")
+        except (json.JSONDecodeError, AttributeError):
+            header = None
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "policy" in rec and "index" in rec:
+            records.append(rec)
+    return header, records
+
+
+class Previous(NamedTuple):
+    """What earlier runs left beside ``--json``: the items files, their header (None when no file has one) and
+    their finished records keyed by ``(policy, problem index)``."""
+
+    paths: list[Path]
+    header: dict | None
+    records: dict[tuple[str, int], dict]
+
+    def counts(self) -> dict[str, int]:
+        """Finished records per policy."""
+        out: dict[str, int] = {}
+        for policy, _ in self.records:
+            out[policy] = out.get(policy, 0) + 1
+        return out
+
+
+def read_previous(json_out: str | Path) -> Previous:
+    """Every items file of ``json_out`` with its header and finished records; a ValueError when the files were
+    written by runs with different settings."""
+    paths, header, records = all_items_paths(json_out), None, {}
+    for path in paths:
+        head, recs = _read_file(path)
+        if header is not None and head is not None and head != header:
+            raise ValueError(f"the items files of {json_out} were written with different settings ({path}); "
+                             "move them aside or pass --overwrite")
+        header = header if head is None else head
+        records.update({(r["policy"], r["index"]): r for r in recs})
+    return Previous(paths, header, records)
+
+
+def describe_settings(header: dict) -> str:
+    """``model=tiny-llada task=arith n=100 ...``: a header in one line."""
+    return " ".join(f"{k}={json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v}"
+                    for k, v in sorted(header.items()))
+
+
+def settings_diff(old: dict | None, new: dict) -> list[str]:
+    """``["n: 99 -> 100", ...]``: the settings whose values differ between two headers."""
+    old = old or {}
+    return [f"{k}: {json.dumps(old.get(k), sort_keys=True)} -> {json.dumps(new.get(k), sort_keys=True)}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def check_previous(json_out: str | Path, header: dict[str, Any], resume: bool, overwrite: bool) -> Previous:
+    """Decide, before any work, what to do with the items an earlier run left beside ``json_out``.
+
+    Returns the finished records to reuse (``resume`` with equal settings; empty otherwise). Raises ValueError
+    (a usage error) for ``resume`` with ``overwrite``, for ``resume`` over files written with other settings
+    (naming each setting that differs), and for finished items without ``resume`` or ``overwrite``.
+    """
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: --resume continues the earlier run, "
+                         "--overwrite starts over")
+    prev = read_previous(json_out)
+    header = _canonical(header)
+    if resume:
+        if prev.paths and prev.header != header:
+            raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
+                             f"({'; '.join(settings_diff(prev.header, header))}); rerun with the same settings, "
+                             "or pass --overwrite instead of --resume to start over (the old items are kept)")
+        return prev
+    if prev.records and not overwrite:
+        raise ValueError(f"{prev.paths[0]} holds {len(prev.records)} finished items of an earlier run; pass "
+                         "--resume to continue it, or --overwrite to start over (the old files are kept beside "
+                         "the new ones as *.old-<time>)")
+    return Previous(prev.paths, prev.header, {})
+
+
+def move_aside(paths: list[Path], stamp: str | None = None) -> list[Path]:
+    """Rename each existing file of ``paths`` to ``<name>.old-<time>`` beside it (never over another file);
+    returns the new paths."""
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for path in paths:
+        if not path.exists():
+            continue
+        target, k = path.with_name(f"{path.name}.old-{stamp}"), 1
+        while target.exists():
+            target, k = path.with_name(f"{path.name}.old-{stamp}-{k}"), k + 1
+        path.rename(target)
+        moved.append(target)
+    return moved
+
+
 class ItemLog:
     """Append-only log of finished items of one process (see the module docstring)."""
 
@@ -44,52 +153,62 @@ class ItemLog:
         self.rank = rank
         self.path = items_path(json_out, rank, world_size)
 
-    def finished(self) -> dict[tuple[str, int], dict]:
-        """Records already on disk, keyed by ``(policy, problem index)``; a ValueError when a file was written by a
-        run with other settings."""
-        out: dict[tuple[str, int], dict] = {}
-        for path in all_items_paths(self.json_out):
-            lines = path.read_text().splitlines()
-            if not lines:
-                continue
-            try:
-                header = json.loads(lines[0]).get("header")
-            except json.JSONDecodeError:
-                header = None
-            if header != self.header:
-                diff = sorted(k for k in set(self.header) | set(header or {})
-                              if (header or {}).get(k) != self.header.get(k))
-                raise ValueError(f"{path} was written by a run with other settings ({', '.join(diff)} differ); "
-                                 "rerun with the same settings, or without --resume to start over")
-            for line in lines[1:]:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short when the run was killed
-                    continue
-                out[(rec["policy"], rec["index"])] = rec
-        return out
-
-    def start(self, resume: bool) -> None:
-        """Open this process's file: without ``resume`` rank 0 first removes every items file of ``json_out`` (all
-        ranks wait for it); a new or emptied file starts with the header."""
-        if not resume and self.rank == 0:
-            for path in all_items_paths(self.json_out):
-                path.unlink()
+    def start(self, previous: Previous, overwrite: bool = False, extra: list[Path] | None = None) -> list[Path]:
+        """Open this process's file. Rank 0 first moves the earlier files aside (``overwrite``: the items files
+        and ``extra``, e.g. the old summary) or removes items files that hold no finished item; every rank waits
+        for it. A new or emptied file starts with the header. Returns the moved files' new paths."""
+        moved: list[Path] = []
+        if self.rank == 0 and not previous.records:
+            if overwrite:
+                moved = move_aside([*all_items_paths(self.json_out), *(extra or [])])
+            else:
+                for path in all_items_paths(self.json_out):  # only headers (or cut lines): nothing finished
+                    path.unlink()
         distributed.barrier()
         if not self.path.exists() or self.path.stat().st_size == 0:
-            self.path.write_text(json.dumps({"header": self.header}) + "\n")
+            with self.path.open("w") as f:
+                f.write(json.dumps({"header": self.header}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        return moved
 
     def append(self, records: list[dict]) -> None:
-        """Append one finished batch's records and flush them to disk."""
-        with self.path.open("a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+        """Append one finished batch's records with one ``write`` call on an ``O_APPEND`` descriptor, then fsync."""
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: str | Path, data: str | bytes | None = None, writer=None) -> None:
+    """Write ``path`` whole or not at all: into a temporary file in the same folder (``data``, or ``writer(tmp)``
+    for a file another library writes, e.g. a plot), flushed, then renamed over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp" + path.suffix)
+    try:
+        if writer is None:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            os.close(fd)
+            writer(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def check_writable(paths: list[str | Path | None]) -> None:
     """Raise one ValueError naming every output path that cannot be written (missing folder, no permission, a
-    folder in the way), before any work starts."""
+    folder in the way, a file system that refuses new files such as /proc), before any work starts: a file is
+    created and removed in each folder to find out."""
     bad = []
     for p in paths:
         if p is None:
@@ -100,7 +219,14 @@ def check_writable(paths: list[str | Path | None]) -> None:
             bad.append(f"{path} is a folder")
         elif not parent.is_dir():
             bad.append(f"{path}: folder {parent} does not exist")
-        elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        elif path.exists() and not os.access(path, os.W_OK):
             bad.append(f"{path} is not writable")
+        else:
+            try:
+                fd, probe = tempfile.mkstemp(dir=parent, prefix=".polestar-probe-")
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as err:
+                bad.append(f"{path}: cannot create files in {parent} ({err.strerror or err})")
     if bad:
         raise ValueError("cannot write the outputs: " + "; ".join(bad) + " (create the folder or pick another path)")

@@ -74,7 +74,7 @@ def test_bench_writes_items_summary_and_plot(checkpoint, tmp_path, capsys):
                  "--plot", str(out_png), "--batch-size", "2"]) == 0
     res = json.loads(out_json.read_text())
     assert [i["input"] for i in res["items"]] == ["3+4", "2*2", "3+4", "2*2"]
-    assert set(res["items"][0]) == {"policy", "input", "generation", "correct", "nfe", "error"}
+    assert set(res["items"][0]) == {"policy", "label", "input", "generation", "correct", "nfe", "error"}
     assert all(item["error"] is None for item in res["items"])
     for summary in res["summary"].values():
         assert set(summary) >= {"accuracy", "accuracy_ci95", "tpf", "tps", "nfe", "token_layer_evals_per_token",

@@ -64,13 +64,18 @@ def test_resume_refuses_other_settings(tmp_path):
         _run(out, resume=True)
 
 
-def test_without_resume_old_items_are_dropped(tmp_path, uninterrupted):
+def test_without_resume_finished_items_are_kept(tmp_path, uninterrupted):
     out = tmp_path / "run.json"
-    items_path(out).write_text(json.dumps({"header": {"stale": True}}) + "\n")
-    result = _run(out)
+    items_path(out).write_text(json.dumps({"header": {"stale": True}}) + "\n"
+                               + json.dumps({"policy": "parallel", "index": 0}) + "\n")
+    with pytest.raises(ValueError, match="holds 1 finished items.*--resume.*--overwrite"):
+        _run(out)
+    result = run_bench("tiny-llada", "arith", POLICIES, 6, {}, DECODING, json_out=str(out), overwrite=True, **ARGS)
     assert result["items"] == uninterrupted["items"]
     lines = items_path(out).read_text().splitlines()
     assert "stale" not in lines[0] and len(lines) == 1 + 2 * 6
+    (old,) = tmp_path.glob("run.items.jsonl.old-*")
+    assert "stale" in old.read_text()
 
 
 def test_output_paths_checked_before_decoding(tmp_path, monkeypatch, capsys):

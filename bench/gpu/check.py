@@ -8,7 +8,8 @@
    and 16, with the peak device memory of each run. Random weights make confidences meaningless, so every
    policy runs with the same fixed commit schedule (``commit=topk``, two tokens per step); only the refresh
    differs.
-4. Triton kernels against their references.
+4. Triton kernels against their references (optional: skipped, with the reason and what to install, when
+   triton is missing, or off CUDA without ``TRITON_INTERPRET=1``; checked before step 1).
 
 ``--tiny`` runs the same steps at a narrow width and depth on any device (the CPU test in tests/test_gpu_check.py).
 """
@@ -16,7 +17,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -64,6 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gen % 32 and not args.tiny:
         ap.error("--gen must be a multiple of the block length 32")
     return args
+
+
+def kernel_step_blocker(device: torch.device) -> str | None:
+    """Why step 4 (Triton kernels) cannot run here, with what to do about it; None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed; pip install triton (or pip install -e '.[triton]') to run it"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on {device.type}"
+    return None
 
 
 def synced(device: torch.device) -> Callable[[], None]:
@@ -179,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --device cuda but CUDA is not available; run on the GPU machine or pass --tiny --device cpu",
               file=sys.stderr)
         return 2
+    blocker = kernel_step_blocker(device)
+    if blocker is not None:
+        print(f"# step 4 (Triton kernels) will be skipped: {blocker}", flush=True)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="polestar-gpu-check-"))
     try:
         start = time.perf_counter()
@@ -206,11 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'policy':10s} {'batch':>5s} {'mode':>9s} {'ms/step':>9s} {'TPS':>9s} {'nfe':>5s} {'peak GB':>8s} "
               f"{'eager':>6s} {'replays':>7s}")
         rows = policy_rows(model, args, device)
-        print("\n# kernels: triton vs reference (ms)")
-        kernels = kernel_rows(args, device)
+        kernels: list[dict] = []
+        if blocker is None:
+            print("\n# kernels: triton vs reference (ms)")
+            kernels = kernel_rows(args, device)
+        else:
+            print(f"\n# kernels: skipped ({blocker})")
         if args.json_out:
             Path(args.json_out).write_text(json.dumps({"load": load, "forwards": forwards, "policies": rows,
-                                                       "kernels": kernels}, indent=1))
+                                                       "kernels": kernels, "kernels_skipped": blocker}, indent=1))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -10,4 +10,6 @@ if [[ "${POLESTAR_SKIP_INSTALL:-0}" != 1 ]]; then
     "$PYTHON" -m pip install -q -e '.[triton]'
 fi
 "$PYTHON" -c 'import polestar, torch; print(f"# polestar from {polestar.__file__}; torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
+# optional dependencies, before the first step: say which step is skipped and what to install
+"$PYTHON" -c 'import importlib.util as u; print("# triton " + ("found" if u.find_spec("triton") else "not installed: step 4 (Triton kernels) is skipped; pip install triton to run it"))'
 timeout "${POLESTAR_CHECK_TIMEOUT:-480}" "$PYTHON" bench/gpu/check.py "$@"

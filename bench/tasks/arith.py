@@ -74,6 +74,11 @@ class ArithTask:
         input = "".join(parts)
         return Problem(self.name, input, self.reference(input))
 
+    def input_space(self) -> int:
+        """How many distinct inputs :meth:`sample` can draw: a start digit and ``min_ops..max_ops`` operations
+        of 3 operators × 10 digits."""
+        return 10 * sum(30**k for k in range(self.min_ops, self.max_ops + 1))
+
     def reference(self, input: str) -> str:
         """The canonical step-by-step answer, e.g. ``"3+4=7,7*2=4,4-5=9"``."""
         return ",".join(f"{a}{op}{b}={r}" for a, op, b, r in steps(input))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
@@ -56,6 +56,9 @@ class Task(Protocol):
         name: registry name of the task.
         max_input_chars: upper bound on ``len(problem.input)``.
         max_output_chars: upper bound on ``len(problem.output)`` (the reference answer).
+
+    A task may also define ``input_space() -> int``, how many distinct inputs ``sample`` can draw (an upper
+    bound); :func:`split` then refuses a count beyond it before drawing anything.
     """
 
     name: str
@@ -153,15 +156,40 @@ def iter_split(task: Task, split: SplitName, seed: int) -> Iterator[Problem]:
             yield problem
 
 
-def split(task: Task, n: int, split: SplitName, seed: int) -> list[Problem]:
+def max_distinct(task: Task, split: SplitName) -> int | None:
+    """An upper bound on the distinct inputs of ``split``: the task's ``input_space()`` (the distinct inputs its
+    sampler can draw) shared out by the hash split (one in :data:`TEST_MODULUS` to the test split), rounded up;
+    None for a task that does not state its input space."""
+    space = getattr(task, "input_space", None)
+    if space is None:
+        return None
+    total = space()
+    share = -(-total // TEST_MODULUS)
+    return share if split == "test" else total - total // TEST_MODULUS
+
+
+def check_split_size(task: Task, n: int, split: SplitName) -> None:
+    """ValueError, before any problem is drawn, when ``n`` exceeds :func:`max_distinct` (naming the limit)."""
+    limit = max_distinct(task, split)
+    if limit is not None and n > limit:
+        raise ValueError(f"task {task.name!r} can generate at most {limit:,} distinct {split} problems "
+                         f"(about one in {TEST_MODULUS} of the {task.input_space():,} inputs it can draw); "
+                         f"asked for {n:,}")
+
+
+def split(task: Task, n: int, split: SplitName, seed: int,
+          progress: Callable[[int], None] | None = None) -> list[Problem]:
     """Return ``n`` distinct problems (distinct inputs) from the ``"train"`` or ``"test"`` split.
 
     Deterministic given ``(task.name, split, seed)``; no test input ever appears in a train list.
-    Raises ValueError if the split cannot supply ``n`` distinct inputs within a generous number of draws.
+    Raises ValueError up front when ``n`` exceeds what the split can hold (:func:`check_split_size`), and when
+    the split cannot supply ``n`` distinct inputs within a generous number of draws. ``progress(k)`` is called
+    with each new problem's count ``k`` (for a progress display).
     """
     _check_split_name(split)
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
+    check_split_size(task, n, split)
     out: list[Problem] = []
     seen: set[str] = set()
     want_test = split == "test"
@@ -175,6 +203,8 @@ def split(task: Task, n: int, split: SplitName, seed: int) -> list[Problem]:
             continue
         seen.add(problem.input)
         out.append(problem)
+        if progress is not None:
+            progress(len(out))
     if len(out) < n:
         raise ValueError(f"task {task.name!r}: only {len(out)} distinct {split} inputs found, wanted {n}")
     return out

@@ -148,6 +148,11 @@ class CountdownTask:
                 answer = _first_pair_solution(sources, target, self.max_value) or answer
             return Problem(self.name, input, answer)
 
+    def input_space(self) -> int:
+        """An upper bound on the distinct inputs :meth:`sample` can draw: ``n_sources`` numbers in
+        ``1..max_source`` and a target in ``1..max_value``."""
+        return self.max_source**self.n_sources * self.max_value
+
     def validate_input(self, input: str) -> None:
         """``n_sources`` comma-separated numbers then the target, e.g. ``3,5,2,16``; else ValueError."""
         ok = isinstance(input, str) and bool(_INPUT_RE.fullmatch(input)) and input.count(",") == self.n_sources

@@ -53,6 +53,11 @@ class StringMapTask:
         input = _random_string(rng, self.min_len, self.max_len)
         return Problem(self.name, input, self.transform(input))
 
+    def input_space(self) -> int:
+        """An upper bound on the distinct inputs :meth:`sample` can draw: strings of ``min_len..max_len``
+        characters over each alphabet."""
+        return sum(len(a) ** n for a in _ALPHABETS for n in range(self.min_len, self.max_len + 1))
+
     def validate_input(self, input: str) -> None:
         """Lowercase letters and digits only, e.g. ``k3q9``; else ValueError."""
         ok = isinstance(input, str) and bool(_STRING_RE.fullmatch(input))
@@ -96,6 +101,11 @@ class PickTask:
         first = "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
         second = "".join(rng.choice(string.ascii_lowercase.replace(ch, "")) for ch in first)
         return Problem(self.name, f"{first}|{second}", rng.choice((first, second)))
+
+    def input_space(self) -> int:
+        """How many distinct inputs :meth:`sample` can draw: a word of ``min_len..max_len`` letters and a second
+        one differing at every position."""
+        return sum(26**n * 25**n for n in range(self.min_len, self.max_len + 1))
 
     def validate_input(self, input: str) -> None:
         """Two lowercase words of equal length joined by ``|``, e.g. ``cat|dog``; else ValueError."""
@@ -155,6 +165,10 @@ class ParallelMixtureTask:
         sub_name = rng.choice(sorted(self.subs))
         problem = self.subs[sub_name].sample(rng)
         return Problem(self.name, f"{sub_name}:{problem.input}", problem.output)
+
+    def input_space(self) -> int:
+        """The sub-tasks' input spaces together (each input carries its sub-task's name)."""
+        return sum(t.input_space() for t in self.subs.values())
 
     def validate_input(self, input: str) -> None:
         """A sub-task name, ``:``, and that sub-task's input (``reverse:abcd``); else ValueError."""

@@ -12,6 +12,7 @@ keeping only puzzles with exactly one solution. The checker verifies rows, colum
 from __future__ import annotations
 
 import functools
+import math
 import random
 import re
 
@@ -116,6 +117,11 @@ class SudokuTask:
             puzzle = tuple(0 if i in blanks else v for i, v in enumerate(solution))
             if len(completions(puzzle)) == 1:
                 return Problem(self.name, render_grid(puzzle), render_grid(solution))
+
+    def input_space(self) -> int:
+        """An upper bound on the distinct inputs :meth:`sample` can draw: every solution grid with every set of
+        ``min_blanks..max_blanks`` blanks (the unique-solution rule keeps fewer)."""
+        return len(all_grids()) * sum(math.comb(16, k) for k in range(self.min_blanks, self.max_blanks + 1))
 
     def validate_input(self, input: str) -> None:
         """4 newline-separated lines of 4 digits 0-4 (0 = blank); else ValueError."""

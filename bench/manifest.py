@@ -1,0 +1,93 @@
+"""The manifest of a benchmark run: what produced it, written beside its results.
+
+``polestar bench --json OUT.json`` writes ``OUT.manifest.json`` before it decodes anything and copies it into
+``OUT.json`` under ``"manifest"``: the package version, the git commit of the checkout the package runs from
+(when it runs from one), the torch and Python versions, the device, the number of torch threads, and every
+setting of the run (model, task, problems, decoding, ``--set`` options, batch size, dtype, policies with their
+labels). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and refuses runs that differ in
+more than the one setting being compared.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: Manifest entries that describe the run's environment and take part in :func:`manifest_diff`
+#: (``date``, ``command`` and ``git_dirty`` do not: they differ between any two runs or checkouts in use).
+COMPARED_ENVIRONMENT = ("polestar_version", "git_commit", "torch_version", "threads")
+
+
+def manifest_path(json_out: str | Path) -> Path:
+    """``OUT.manifest.json`` beside ``--json OUT.json``."""
+    json_out = Path(json_out)
+    stem = json_out.name[: -len(json_out.suffix)] if json_out.suffix else json_out.name
+    return json_out.with_name(f"{stem}.manifest.json")
+
+
+def _git(args: list[str], where: Path) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def package_version() -> str:
+    """The installed distribution's version (``polestar-dllm``), else ``polestar.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("polestar-dllm")
+    except PackageNotFoundError:
+        from polestar import __version__
+
+        return __version__
+
+
+def build_manifest(settings: dict[str, Any], device: str) -> dict[str, Any]:
+    """The manifest of a run with ``settings`` (JSON-serialisable) on ``device``."""
+    import torch
+
+    import polestar
+
+    where = Path(polestar.__file__).resolve().parent
+    commit = _git(["rev-parse", "HEAD"], where)
+    dirty = _git(["status", "--porcelain", "--untracked-files=no"], where) if commit else None
+    dev = str(device)
+    name = dev
+    if dev.startswith("cuda") and torch.cuda.is_available():
+        name = f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
+    return {
+        "polestar_version": package_version(),
+        "git_commit": commit,
+        "git_dirty": None if dirty is None else bool(dirty),
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": name,
+        "threads": torch.get_num_threads(),
+        "settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
+        "command": list(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _flat(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The compared entries; the labels are left out, as they follow from the policies and options."""
+    flat = {key: manifest.get(key) for key in COMPARED_ENVIRONMENT}
+    flat.update({f"settings.{k}": v for k, v in manifest.get("settings", {}).items() if k != "labels"})
+    return flat
+
+
+def manifest_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
+    """``["settings.options: {...} -> {...}", ...]``: the compared entries (environment and settings) whose
+    values differ between manifests ``a`` and ``b``, leaving out the keys in ``ignore``."""
+    fa, fb = _flat(a), _flat(b)
+    keys = sorted(k for k in set(fa) | set(fb) if k not in ignore and fa.get(k) != fb.get(k))
+    return [f"{k}: {json.dumps(fa.get(k), sort_keys=True)} -> {json.dumps(fb.get(k), sort_keys=True)}" for k in keys]
