@@ -42,8 +42,8 @@ def shipped_models():
 
 @pytest.fixture
 def isolated_registry():
-    """Stages, policies and modules (named ``hellinger*``) a test registers are removed afterwards (other tests see
-    the built-ins)."""
+    """Stages, policies and plugin modules (named ``hellinger*`` or from docs/examples) a test registers are removed
+    afterwards (other tests see the built-ins)."""
     stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
     policies = dict(policy._POLICIES)
     modules = set(sys.modules)
@@ -53,6 +53,7 @@ def isolated_registry():
         registry._REGISTRY[kind].update(table)
     policy._POLICIES.clear()
     policy._POLICIES.update(policies)
-    for name in set(sys.modules) - modules:
-        if name.startswith("hellinger"):
+    for name in set(sys.modules) - modules:  # plugin modules of the tests and of docs/examples
+        origin = str(getattr(sys.modules[name], "__file__", None) or "")
+        if name.startswith("hellinger") or f"docs{os.sep}examples" in origin:
             del sys.modules[name]
