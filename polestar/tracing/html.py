@@ -197,7 +197,7 @@ def cost_svg(costs: list[CostSeries], names: list[str], field: str, unit: float,
     n = max(len(s) for s in series)
     top = max(max(s, default=0) for s in series) / unit or 1.0
     group, plot_h = 8 * len(series) + 4, 90
-    width, height = LEFT + n * group + 10, plot_h + 40
+    width, height = max(LEFT + n * group + 10, LEFT + 7 * len(label)), plot_h + 40
     body = [_text(LEFT - 6, 14, f"{top:.3g}", 9, "end"), _text(LEFT - 6, plot_h + 10, "0", 9, "end"),
             _text(LEFT, plot_h + 36, label, 11, "start")]
     for p, (s, color) in enumerate(zip(series, POLICY_COLORS)):
