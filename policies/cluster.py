@@ -18,9 +18,17 @@ from polestar.stages import Stage
 
 
 class Clusterer(Stage):
-    needs_keys = False  # whether ``cluster`` consumes random ``keys [G, N]``
+    """Base of clusterers (kind ``cluster``), read by the ``polestar`` refresh selector to group the window's
+    hidden states. ``needs_keys``: whether :meth:`cluster` consumes random ``keys [G, N]`` (drawn before the step).
+    Example: ``docs/examples/cluster_stride.py``."""
+
+    needs_keys = False
 
     def cluster(self, x, k, valid, generator, keys=None, k_valid=None):  # pragma: no cover - abstract
+        """``x [G, N, D]``, ``k`` clusters, ``valid [G, N]`` bool → ``(centroids [G, k, D], labels [G, N] long in
+        [-1, k) with -1 exactly at invalid positions, counts [G, k])``. ``keys [G, N]`` replace draws from
+        ``generator``; ``k_valid [G, k]`` bool (optional) disables clusters per group (no member, count 0, zero
+        centroid)."""
         raise NotImplementedError
 
 

@@ -16,9 +16,17 @@ from polestar.stages import Stage
 
 
 class DriftMetric(Stage):
-    """Base of drift metrics: ``score(cur, prev) → [B, R]``."""
+    """Base of drift metrics (kind ``drift``): how far each row's attention moved between two steps.
+
+    Read by the ``polestar`` refresh selector (which clusters of the window to update) and the ``polestar`` commit
+    rule (the drift delta of its early commits). Example: ``docs/examples/drift_hellinger.py``.
+    """
 
     def score(self, cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        """``cur, prev [B, H, R, T]`` (attention probabilities of ``R`` rows over ``T`` keys per head, now and one
+        step earlier) → ``[B, R]`` floating, finite, ≥ 0, and 0 where ``cur == prev`` (a metric of ``cur`` alone,
+        like the entropy ablation, is 0 on one-hot rows). A pure function of its inputs: no random draws, no host
+        reads."""
         raise NotImplementedError
 
 
