@@ -5,7 +5,8 @@ directory is one ``polestar bench --json`` run; each of its policies becomes one
 the ``--set`` options of the run. Rows: accuracy with its 95% Wilson interval, tokens per forward (TPF) and
 token-layer evaluations per generated token. The plot has two panels (accuracy against TPF and against evaluations
 per token), with the interval as error bars; the threshold sweeps of ``fast-dllm`` and ``parallel`` are drawn as
-curves, every other run as a labelled point.
+curves with their thresholds placed so that no two labels overlap (:mod:`~polestar.bench.plot_labels`), every other
+run as a point with its own marker, named in the legend below the panels.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import argparse
 import json
 from pathlib import Path
 
+from polestar.bench.item_log import write_atomic
+from polestar.bench.plot_labels import place_labels
 from polestar.bench.sweep_table import accuracy_cell
+
+#: markers of the single points, cycled (the colours follow matplotlib's cycle)
+MARKERS = ("s", "D", "^", "v", "P", "X", "<", ">", "p", "h")
 
 SWEPT = ("fast-dllm", "parallel")
 
@@ -50,9 +56,11 @@ def frontier_plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.8), sharey=True)
+    singles = [r for r in rows if r["policy"] not in SWEPT]
     for ax, key, xlabel in ((axes[0], "tpf", "tokens per forward (TPF)"),
                             (axes[1], "evals", "token-layer evaluations per token")):
+        sweep_pts = []
         for policy in SWEPT:
             pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["threshold"] or 0.0)
             if not pts:
@@ -61,23 +69,24 @@ def frontier_plot(rows: list[dict], path: str, title: str) -> None:
             ys = [100 * r["accuracy"] for r in pts]
             err = [[100 * (r["accuracy"] - r["ci"][0]) for r in pts], [100 * (r["ci"][1] - r["accuracy"]) for r in pts]]
             ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=f"{policy} (τ sweep)")
-            for r, x, y in zip(pts, xs, ys):
-                ax.annotate(f"{r['threshold']}", (x, y), fontsize=6, xytext=(2, -8), textcoords="offset points")
-        for r in rows:
-            if r["policy"] in SWEPT:
-                continue
+            sweep_pts += [(x, y, f"{r['threshold']}") for r, x, y in zip(pts, xs, ys)]
+        for i, r in enumerate(singles):
             y = 100 * r["accuracy"]
-            ax.errorbar([r[key]], [y], yerr=[[y - 100 * r["ci"][0]], [100 * r["ci"][1] - y]], marker="s", ms=4,
-                        capsize=2, linestyle="none")
             label = r["policy"] + (f" {r['options']}" if r["options"] else "")
-            ax.annotate(label, (r[key], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.errorbar([r[key]], [y], yerr=[[y - 100 * r["ci"][0]], [100 * r["ci"][1] - y]],
+                        marker=MARKERS[i % len(MARKERS)], ms=5, capsize=2, linestyle="none", label=label)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
+        if sweep_pts:
+            xs, ys, texts = zip(*sweep_pts)
+            place_labels(ax, xs, ys, texts, fontsize=6,
+                         avoid=[(r[key], 100 * r["accuracy"]) for r in singles])
     axes[0].set_ylabel("accuracy (%), 95% interval")
-    axes[0].legend(fontsize=7, loc="lower left")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(4, max(len(labels), 1)), frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(labels) - 1) // 4), 1, 1))
+    write_atomic(path, writer=lambda tmp: fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png"))
     plt.close(fig)
 
 

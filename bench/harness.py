@@ -259,18 +259,20 @@ def format_table(summary: dict[str, dict], title: str) -> str:
 
 def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
     """Accuracy against TPF, one point per policy with its 95% Wilson interval as an error bar, the Pareto front
-    (best accuracy at each TPF, on the point estimates) joined."""
+    (best accuracy at each TPF, on the point estimates) joined. Points are named in a legend (each its own marker
+    and colour, the label with its overrides), so no two names can overlap."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig, ax = plt.subplots(figsize=(5, 4 + 0.18 * len(summary)))
     pts = sorted((s["tpf"], 100 * s["accuracy"], s.get("label", name), s["accuracy_ci95"])
                  for name, s in summary.items())
-    for tpf, acc, name, (lo, hi) in pts:
-        ax.errorbar(tpf, acc, yerr=[[max(acc - 100 * lo, 0.0)], [max(100 * hi - acc, 0.0)]], fmt="o", capsize=3)
-        ax.annotate(name, (tpf, acc), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    markers = "osD^vPX<>ph"
+    for i, (tpf, acc, name, (lo, hi)) in enumerate(pts):
+        ax.errorbar(tpf, acc, yerr=[[max(acc - 100 * lo, 0.0)], [max(100 * hi - acc, 0.0)]], fmt=markers[i % 11],
+                    capsize=3, label=name)
     front, best = [], -1.0
     for tpf, acc, _, _ in sorted(pts, key=lambda t: -t[0]):
         if acc > best:
@@ -282,6 +284,7 @@ def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
     ax.set_xlabel("tokens per forward (TPF)")
     ax.set_ylabel("accuracy (%), 95% interval")
     ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.tight_layout()
     write_atomic(path, writer=lambda tmp: fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png"))
     plt.close(fig)

@@ -15,9 +15,11 @@ come from environment variables (defaults in brackets):
 * ``POLESTAR_RW_LAYERS`` [2,4], ``POLESTAR_RW_DTYPES`` [float32,bfloat16], ``POLESTAR_RW_BATCHES`` [1,8]
 * ``POLESTAR_RW_PROMPT`` [64], ``POLESTAR_RW_GEN`` [256], ``POLESTAR_RW_BLOCK`` [32]
 * ``POLESTAR_RW_POLICIES`` [fast-dllm,polestar-cache,polestar,polestar-own-commit] (rows, see :data:`ROWS`)
-* ``POLESTAR_RW_DEVICE`` [cuda when available, else cpu], ``POLESTAR_RW_ROUNDS`` [1] measured generations per
-  row, ``POLESTAR_RW_WARMUP`` [1 on CUDA, else 0] generations before them
-* ``POLESTAR_RW_WIDTH`` [published]: ``tiny`` for a narrow model (d_model 64) that checks the code path in seconds
+* ``POLESTAR_RW_DEVICE`` [cuda when available, else cpu], ``POLESTAR_RW_ROUNDS`` [3] measured generations per
+  row (each figure then has a spread: the standard deviation over rounds, carried into the ratios),
+  ``POLESTAR_RW_WARMUP`` [1 on CUDA, else 0] generations before them
+* ``POLESTAR_RW_WIDTH`` [published]: ``tiny`` for a narrow model that checks the code path in seconds per row: d_model
+  64 and a 512-token vocabulary (:data:`TINY_MODEL`), and unless set, prompt 16, generation 32 and blocks of 16
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import attrs
@@ -37,12 +38,21 @@ import torch
 
 import polestar
 from polestar.bench.harness import si
+from polestar.bench.item_log import write_atomic
 from polestar.models.loading import resolve_dtype
 from polestar.models.published import published_model
 
 ENV_PREFIX = "POLESTAR_RW_"
-#: the narrow width of ``POLESTAR_RW_WIDTH=tiny`` (the published vocabulary is kept)
+#: the narrow width of ``POLESTAR_RW_WIDTH=tiny``
 TINY_WIDTH = {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 128}
+#: the small vocabulary of ``POLESTAR_RW_WIDTH=tiny`` (the LM head of the published 126k vocabulary alone makes a
+#: CPU step slow); its special tokens at the top
+TINY_VOCAB = {"vocab_size": 512, "embedding_size": 512, "mask_token_id": 511, "eos_token_id": 510,
+              "pad_token_id": 510}
+#: the model of ``POLESTAR_RW_WIDTH=tiny``
+TINY_MODEL = {**TINY_WIDTH, **TINY_VOCAB}
+#: the layout of ``POLESTAR_RW_WIDTH=tiny`` unless its variables are set
+TINY_LAYOUT = {"PROMPT": "16", "GEN": "32", "BLOCK": "16"}
 #: prompts are random ids below this (clear of LLaDA's special tokens, which start at 126080)
 PROMPT_VOCAB = 126000
 DTYPE_IDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -80,7 +90,7 @@ class Settings:
     block: int = 32
     rows: tuple[str, ...] = tuple(ROWS)
     device: str = "cpu"
-    rounds: int = 1
+    rounds: int = 3
     warmup: int = 0
     width: dict[str, Any] | None = None  # None: the published width
 
@@ -107,12 +117,14 @@ def settings_from_env(environ: Mapping[str, str] = os.environ) -> Settings:
     width = get("WIDTH", "published")
     if width not in ("published", "tiny"):
         raise ValueError(f"{ENV_PREFIX}WIDTH must be 'published' or 'tiny', got {width!r}")
+    layout = TINY_LAYOUT if width == "tiny" else {"PROMPT": "64", "GEN": "256", "BLOCK": "32"}
     return Settings(
         layers=_ints(get("LAYERS", "2,4")), dtypes=_names(get("DTYPES", "float32,bfloat16")),
-        batches=_ints(get("BATCHES", "1,8")), prompt=int(get("PROMPT", "64")), gen=int(get("GEN", "256")),
-        block=int(get("BLOCK", "32")), rows=_names(get("POLICIES", ",".join(ROWS))), device=device,
-        rounds=int(get("ROUNDS", "1")), warmup=int(get("WARMUP", "1" if device.startswith("cuda") else "0")),
-        width=TINY_WIDTH if width == "tiny" else None,
+        batches=_ints(get("BATCHES", "1,8")), prompt=int(get("PROMPT", layout["PROMPT"])),
+        gen=int(get("GEN", layout["GEN"])), block=int(get("BLOCK", layout["BLOCK"])),
+        rows=_names(get("POLICIES", ",".join(ROWS))), device=device, rounds=int(get("ROUNDS", "3")),
+        warmup=int(get("WARMUP", "1" if device.startswith("cuda") else "0")),
+        width=TINY_MODEL if width == "tiny" else None,
     )
 
 
@@ -143,9 +155,10 @@ def free(device: str) -> None:
 
 
 def prompts(settings: Settings, batch: int) -> torch.Tensor:
-    """``[batch, prompt]`` random token ids, the same for every row of a cell."""
+    """``[batch, prompt]`` random token ids below the special tokens, the same for every row of a cell."""
     gen = torch.Generator().manual_seed(batch)
-    return torch.randint(0, PROMPT_VOCAB, (batch, settings.prompt), generator=gen)
+    top = min(PROMPT_VOCAB, (settings.width or {}).get("eos_token_id", PROMPT_VOCAB))
+    return torch.randint(0, top, (batch, settings.prompt), generator=gen)
 
 
 def decoding(settings: Settings, row: Row) -> dict[str, Any]:
@@ -201,10 +214,15 @@ def run_row(built: Built, ids: torch.Tensor, settings: Settings, key: str) -> di
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Rounds of one row as one result: counters of the first round (decoding is deterministic), mean of the
-    mean step times, least of the fastest steps."""
+    mean step times with their standard deviation over the rounds (``ms_per_step_std``, 0 for one round) and
+    each round's value (``ms_per_step_rounds``), least of the fastest steps."""
     out = dict(runs[0])
+    means = [r["ms_per_step_mean"] for r in runs]
+    mean = sum(means) / len(means)
     out["rounds"] = len(runs)
-    out["ms_per_step_mean"] = sum(r["ms_per_step_mean"] for r in runs) / len(runs)
+    out["ms_per_step_mean"] = mean
+    out["ms_per_step_std"] = (sum((m - mean) ** 2 for m in means) / (len(means) - 1)) ** 0.5 if len(means) > 1 else 0.0
+    out["ms_per_step_rounds"] = means
     out["ms_per_step_min"] = min(r["ms_per_step_min"] for r in runs)
     return out
 
@@ -237,20 +255,37 @@ def ratio(value: float, reference: float) -> float | None:
     return value / reference if reference else None
 
 
+def ratio_std(result: dict[str, Any], reference: dict[str, Any]) -> float | None:
+    """The spread of ``ms_per_step_mean_ratio``: the ratio times the root sum of squares of both means' relative
+    standard deviations over rounds (first-order propagation); None without a reference mean."""
+    a, b = result["ms_per_step_mean"], reference["ms_per_step_mean"]
+    if not a or not b:
+        return None
+    rel = ((result.get("ms_per_step_std", 0.0) / a) ** 2 + (reference.get("ms_per_step_std", 0.0) / b) ** 2) ** 0.5
+    return a / b * rel
+
+
 def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each result with ``<metric>_ratio``: its value over the :data:`REFERENCE` row's of the same cell (None
-    without one)."""
+    without one), and ``ms_per_step_mean_ratio_std``, the step time ratio's spread (:func:`ratio_std`)."""
     refs = {cell_of(r): r for r in results if r["row"] == REFERENCE}
     out = []
     for r in results:
         ref = refs.get(cell_of(r))
-        out.append({**r, **{f"{key}_ratio": ratio(r[key], ref[key]) if ref else None for key, _, _ in METRICS}})
+        out.append({**r, **{f"{key}_ratio": ratio(r[key], ref[key]) if ref else None for key, _, _ in METRICS},
+                    "ms_per_step_mean_ratio_std": ratio_std(r, ref) if ref and ref is not r else None})
     return out
 
 
 def _cell_text(result: dict[str, Any], key: str, fmt: Callable[[float], str]) -> str:
     r = result.get(f"{key}_ratio")
-    return fmt(result[key]) + ("" if r is None else f" ({r:.2f}×)")
+    value = fmt(result[key])
+    if key == "ms_per_step_mean" and result.get("rounds", 1) > 1:
+        value += f" ± {fmt(result['ms_per_step_std'])}"
+    if r is None:
+        return value
+    spread = result.get(f"{key}_ratio_std")
+    return value + (f" ({r:.2f}±{spread:.2f}×)" if spread is not None and result.get("rounds", 1) > 1 else f" ({r:.2f}×)")
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
@@ -263,8 +298,9 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
                  *(_cell_text(r, key, fmt) for key, _, fmt in METRICS)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("(×) ratio to fast-dllm in the same cell; † own commit rule, so its step count may differ "
-                 "(the other rows commit one token per step with `commit=topk`).")
+    lines.append("(×) ratio to fast-dllm in the same cell; ± the standard deviation over the rounds (propagated "
+                 "into the ratio); † own commit rule, so its step count may differ (the other rows commit one token "
+                 "per step with `commit=topk`).")
     return "\n".join(lines)
 
 
@@ -298,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_cells(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(markdown_table(results))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"settings": attrs.asdict(settings), "results": results}, indent=1))
+        write_atomic(args.json_out, json.dumps({"settings": attrs.asdict(settings), "results": results}, indent=1))
     return 0
 
 

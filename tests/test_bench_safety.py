@@ -172,12 +172,12 @@ def test_gpu_check_without_triton_skips_only_the_kernel_step(tmp_path, monkeypat
 
 
 def test_overrides_label_rows_titles_plots_and_records(tmp_path, monkeypatch, capsys):
-    import matplotlib.axes
+    import matplotlib.pyplot as plt
 
     texts = []
-    real = matplotlib.axes.Axes.annotate
-    monkeypatch.setattr(matplotlib.axes.Axes, "annotate", lambda self, text, *a, **k: (texts.append(text),
-                                                                                       real(self, text, *a, **k))[1])
+    real = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (texts.extend(
+        t.get_text() for t in fig.axes[0].get_legend().get_texts()), real(fig))[1])
     out, plot = tmp_path / "o.json", tmp_path / "o.png"
     args = [*SMALL[:4], "--policies", "fast-dllm,elastic-cache,baseline", *SMALL[6:]]
     assert main(["bench", *args, "--set", "commit=entropy-bound", "--json", str(out), "--plot", str(plot)]) == 0

@@ -1,5 +1,5 @@
-"""The real-width step-cost benchmark (bench/real_width.py, bench/test_bench_real_width.py) on a narrow model
-(d_model 64, the published vocabulary, 2 layers, 16 tokens): the same code path as the 8B-wide run in seconds."""
+"""The real-width step-cost benchmark (bench/real_width.py, bench/test_bench_real_width.py) on its tiny model
+(d_model 64, a 512-token vocabulary, 2 layers, 16 tokens): the same code path as the 8B-wide run in seconds."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from polestar.models.published import LLADA_8B_INSTRUCT_CONFIG, published_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = rw.Settings(layers=(2,), dtypes=("float32",), batches=(1, 2), prompt=8, gen=16, block=8,
-                   width=rw.TINY_WIDTH)
+                   width=rw.TINY_MODEL, rounds=2)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,11 @@ def test_settings_from_environment():
     s = rw.settings_from_env({"POLESTAR_RW_LAYERS": "2", "POLESTAR_RW_DTYPES": "bfloat16", "POLESTAR_RW_BATCHES": "8",
                               "POLESTAR_RW_GEN": "64", "POLESTAR_RW_POLICIES": "fast-dllm,polestar",
                               "POLESTAR_RW_DEVICE": "cpu", "POLESTAR_RW_WIDTH": "tiny"})
-    assert (s.layers, s.dtypes, s.batches, s.gen, s.block, s.rows) == ((2,), ("bfloat16",), (8,), 64, 32,
+    assert (s.layers, s.dtypes, s.batches, s.gen, s.block, s.rows) == ((2,), ("bfloat16",), (8,), 64, 16,
                                                                         ("fast-dllm", "polestar"))
-    assert s.width == rw.TINY_WIDTH and s.warmup == 0
+    assert s.width == rw.TINY_MODEL and s.warmup == 0 and s.rounds == 3
+    tiny = rw.settings_from_env({"POLESTAR_RW_WIDTH": "tiny", "POLESTAR_RW_DEVICE": "cpu"})
+    assert (tiny.prompt, tiny.gen, tiny.block) == (16, 32, 16)  # the tiny layout unless set
     full = rw.settings_from_env({"POLESTAR_RW_DEVICE": "cpu"})
     assert full.width is None and full.layers == (2, 4) and full.batches == (1, 8) and full.prompt == 64
     with pytest.raises(ValueError, match="unknown rows"):
@@ -66,7 +68,23 @@ def test_settings_from_environment():
 
 def test_combine_rounds():
     runs = [{"ms_per_step_mean": 4.0, "ms_per_step_min": 3.0, "nfe": 8}, {"ms_per_step_mean": 2.0, "ms_per_step_min": 1.5, "nfe": 8}]
-    assert rw.combine(runs) == {"ms_per_step_mean": 3.0, "ms_per_step_min": 1.5, "nfe": 8, "rounds": 2}
+    assert rw.combine(runs) == {"ms_per_step_mean": 3.0, "ms_per_step_min": 1.5, "nfe": 8, "rounds": 2,
+                                "ms_per_step_std": pytest.approx(2 ** 0.5), "ms_per_step_rounds": [4.0, 2.0]}
+
+
+def test_ratio_spread_propagates_both_deviations():
+    a = {"ms_per_step_mean": 4.0, "ms_per_step_std": 0.4}
+    ref = {"ms_per_step_mean": 2.0, "ms_per_step_std": 0.2}
+    assert rw.ratio_std(a, ref) == pytest.approx(2.0 * (0.1 ** 2 + 0.1 ** 2) ** 0.5)
+
+
+def test_tiny_rows_have_a_spread_and_small_vocabulary(results):
+    for r in results:
+        assert r["rounds"] == 2 and len(r["ms_per_step_rounds"]) == 2 and r["ms_per_step_std"] >= 0
+        if r["row"] != rw.REFERENCE:
+            assert r["ms_per_step_mean_ratio_std"] is not None
+    # the LM head reads 512 rows of 64, not the published 126k: a step's weight bytes stay under 1 MB
+    assert all(r["weight_bytes_per_step"] < 1e6 * r["batch"] for r in results)
 
 
 def test_published_model_has_the_published_shapes_but_depth():
