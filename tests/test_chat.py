@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 import polestar
 from polestar.cli import main
-from polestar.models.published import write_published_checkpoint
+from polestar.fixtures import write_published_checkpoint
 from polestar.models.text import decode_texts
 from polestar.models.tokenizer import decode_generation
 from polestar.step import eos_finished

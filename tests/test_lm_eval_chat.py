@@ -10,7 +10,7 @@ from lm_eval.tasks import TaskManager
 import polestar
 from polestar.evaluation.lm_eval_model import PolestarLM
 from polestar.evaluation.tasks import write_task_dir
-from polestar.models.published import write_published_checkpoint
+from polestar.fixtures import write_published_checkpoint
 from tests.test_chat import EOT, NARROW, _force_token, expected_chat_ids
 
 

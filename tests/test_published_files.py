@@ -20,15 +20,11 @@ from safetensors.torch import load_file, save_file
 import polestar
 from polestar.cli import main
 from polestar.evaluation.lm_eval_model import PolestarLM
+from polestar.fixtures import write_published_checkpoint, write_published_files
 from polestar.inspection import inspect_checkpoint
 from polestar.models.loading import FAMILIES as FAMILY_TABLE
 from polestar.models.loading import expected_shapes, resolve_checkpoint
-from polestar.models.published import (
-    LLADA_ADDED_TOKENS,
-    PUBLISHED_MODELS,
-    write_published_checkpoint,
-    write_published_files,
-)
+from polestar.models.published import LLADA_ADDED_TOKENS, PUBLISHED_MODELS
 from polestar.presets import get_preset, preset_names
 from tests.test_chat import NARROW, _bytes, expected_chat_ids
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import polestar
-from polestar.models.published import PUBLISHED, write_published_checkpoint
+from polestar.fixtures import write_published_checkpoint
+from polestar.models.published import PUBLISHED
 from tests.test_chat import expected_chat_ids
 
 ROOT = Path(__file__).resolve().parents[1]

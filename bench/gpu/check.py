@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 import polestar
+from polestar.fixtures import write_published_checkpoint
 from polestar.kernels.drift import kl_drift, reference_kl_drift
 from polestar.kernels.kmeans import kmeans_assign, reference_kmeans_assign
 from polestar.kernels.quant import nvfp4_quantize, reference_nvfp4_quantize
-from polestar.models.published import write_published_checkpoint
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 #: device-memory bound of loading, as a multiple of the weights
