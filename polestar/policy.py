@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import attrs
@@ -26,11 +27,23 @@ class PolicySpec:
 _POLICIES: dict[str, PolicySpec] = {}
 
 
+_ORIGINS: dict[str, str] = {}  # policy name -> module that registered it
+
+
 def register_policy(spec: PolicySpec) -> PolicySpec:
+    """Add ``spec`` under ``spec.name``. Registering a name again from the same module (a notebook cell or a
+    plugin re-run) replaces it, and so does an identical spec from anywhere; a different spec from another
+    module under a taken name is a ValueError naming both modules."""
     for kind in spec.stages:
         if kind not in registry.KINDS:
             raise ValueError(f"policy {spec.name!r}: unknown stage kind {kind!r}")
+    origin = sys._getframe(1).f_globals.get("__name__", "?")
+    taken = _POLICIES.get(spec.name)
+    if taken is not None and taken != spec and _ORIGINS.get(spec.name) != origin:
+        raise ValueError(f"policy {spec.name!r} is already registered by {_ORIGINS.get(spec.name)} with other "
+                         f"stages or options; register yours ({origin}) under another name")
     _POLICIES[spec.name] = spec
+    _ORIGINS[spec.name] = origin
     return spec
 
 

@@ -45,7 +45,7 @@ def isolated_registry():
     """Stages, policies and plugin modules (named ``hellinger*`` or from docs/examples) a test registers are removed
     afterwards (other tests see the built-ins)."""
     stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
-    policies = dict(policy._POLICIES)
+    policies, origins = dict(policy._POLICIES), dict(policy._ORIGINS)
     modules = set(sys.modules)
     yield
     for kind, table in stages.items():
@@ -53,6 +53,8 @@ def isolated_registry():
         registry._REGISTRY[kind].update(table)
     policy._POLICIES.clear()
     policy._POLICIES.update(policies)
+    policy._ORIGINS.clear()
+    policy._ORIGINS.update(origins)
     for name in set(sys.modules) - modules:  # plugin modules of the tests and of docs/examples
         origin = str(getattr(sys.modules[name], "__file__", None) or "")
         if name.startswith("hellinger") or f"docs{os.sep}examples" in origin:

@@ -12,7 +12,7 @@ import textwrap
 import attrs
 import pytest
 
-from polestar import plugins, registry
+from polestar import plugins, policy, registry
 from polestar.cli import main
 from polestar.evaluation.cli import run_lm_eval
 from polestar.evaluation.tasks import write_task_dir
@@ -177,3 +177,16 @@ def test_registering_the_same_class_again_replaces_it(isolated_registry):
     assert registry.lookup("drift", "twice") is again
     with pytest.raises(ValueError, match="already registered by notebook.Twice; register other.Twice under another"):
         registry.register("drift", "twice")(_drift_class("other"))
+
+
+def test_registering_a_policy_again_follows_the_same_rule(isolated_registry):
+    spec = policy.PolicySpec("twice-policy", {"refresh": "dual", "commit": "threshold"})
+    policy.register_policy(spec)
+    edited = policy.PolicySpec("twice-policy", {"refresh": "dual", "commit": "threshold"},
+                               {"commit": {"threshold": 0.8}})
+    policy.register_policy(edited)  # a re-run from the same module (a notebook cell) replaces it
+    assert policy.get_policy("twice-policy") is edited
+    exec_globals = {"__name__": "other_module", "policy": policy, "edited": edited, "spec": spec}
+    exec("policy.register_policy(edited)", exec_globals)  # the identical spec from another module: accepted
+    with pytest.raises(ValueError, match="already registered by other_module"):
+        exec("policy.register_policy(spec)", {**exec_globals, "__name__": "third_module"})
