@@ -131,6 +131,33 @@ def test_task_folder_works_from_another_directory(tmp_path, monkeypatch):
     assert len(docs) == 4
 
 
+def test_lm_eval_output_path_is_checked_before_lm_eval_runs(tmp_path, monkeypatch, capsys):
+    from polestar.evaluation import cli as eval_cli
+
+    monkeypatch.setattr(eval_cli, "_run_harness", lambda argv: pytest.fail("lm-eval ran before the check"))
+    args = ["lm-eval", "--model", "polestar", "--model_args", "pretrained=tiny-llada", "--tasks", "polestar_arith"]
+    assert main([*args, "--output_path", "/proc/results"]) == 2
+    assert "--output_path /proc/results" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert main([*args, "--output_path", str(tmp_path / "f" / "out")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_lm_eval_counters_never_replace_an_earlier_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from polestar.evaluation import cli as eval_cli
+    from polestar.evaluation import lm_eval_model
+    from polestar.evaluation.counters import DecodingCounters
+
+    lm = SimpleNamespace(pretrained="m", policy="p", world_size=1, rank=0, total_counters=lambda: DecodingCounters())
+    monkeypatch.setattr(lm_eval_model, "LAST_MODEL", lm)
+    monkeypatch.setattr(eval_cli.time, "strftime", lambda fmt: "2026-01-01T00-00-00")
+    first = eval_cli.write_counters(["--output_path", str(tmp_path)])
+    second = eval_cli.write_counters(["--output_path", str(tmp_path)])
+    assert first != second and first.is_file() and second.is_file()
+
+
 def test_task_folder_over_a_file_is_refused(tmp_path):
     from polestar.evaluation.tasks import write_task_dir
 

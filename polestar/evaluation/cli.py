@@ -130,6 +130,30 @@ def _run_harness(argv: list[str]) -> None:
         sys.argv = saved
 
 
+def _output_directory(output_path: str) -> Path:
+    """The folder lm-eval writes ``--output_path`` into (its parent for a ``.json`` file name)."""
+    base = Path(output_path)
+    return base.parent if base.suffix == ".json" else base
+
+
+def check_output_path(argv: list[str]) -> None:
+    """ValueError (exit 2) before lm-eval starts when ``--output_path`` cannot be written: its nearest existing
+    folder must accept a new file (a file is created and removed there)."""
+    from polestar.bench.item_log import check_writable
+
+    out = _values(argv, _OUTPUT)
+    if out is None or not out[1]:
+        return
+    directory = _output_directory(out[1][0])
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise ValueError(f"--output_path {out[1][0]}: {existing} is a file, not a folder")
+    try:
+        check_writable([existing / "polestar-output-check"])
+    except ValueError as err:
+        raise ValueError(f"--output_path {out[1][0]}: {err}") from None
+
+
 def write_counters(argv: list[str]) -> Path | None:
     """Write (rank 0) the counters of the run's ``polestar`` model beside ``--output_path``, or print them.
     Returns the file written, if any."""
@@ -146,11 +170,15 @@ def write_counters(argv: list[str]) -> Path | None:
     if out is None or not out[1]:
         print(json.dumps(record, indent=1))
         return None
-    base = Path(out[1][0])
-    directory = base.parent if base.suffix == ".json" else base
+    from polestar.bench.item_log import write_atomic
+
+    directory = _output_directory(out[1][0])
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"polestar_counters_{time.strftime('%Y-%m-%dT%H-%M-%S')}.json"
-    path.write_text(json.dumps(record, indent=1))
+    stamp, k = time.strftime('%Y-%m-%dT%H-%M-%S'), 1
+    path = directory / f"polestar_counters_{stamp}.json"
+    while path.exists():  # never over an earlier run's counters
+        path, k = directory / f"polestar_counters_{stamp}-{k}.json", k + 1
+    write_atomic(path, json.dumps(record, indent=1))
     print(f"polestar decoding counters: {path}")
     return path
 
@@ -162,6 +190,7 @@ def run_lm_eval(argv: list[str]) -> int:
     plugins, argv = _pop_option(argv, "--plugin", "mydrift.py")
     load_plugins(plugins)  # this process (each rank under torchrun) registers the plugin's stages first
     argv = expand_arguments(argv)
+    check_output_path(argv)
     try:
         from . import lm_eval_model  # noqa: F401  (registers --model polestar)
     except ImportError as err:
