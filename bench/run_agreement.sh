@@ -12,8 +12,8 @@ for model in ${MODELS:-tiny-llada tiny-dream tiny-llada-noisy tiny-dream-noisy};
     raw="$RAW/$model-$task"
     common=(--model "$model" --task "$task" --policies polestar-cache,polestar --n "$N" --batch-size 50
             --gen-length 64 --block-length 16)
-    polestar bench "${common[@]}" --set quant=none --set offload=none --json "$raw-exact.json" > /dev/null
-    polestar bench "${common[@]}" --set quant=nvfp4 --set offload=cpu --json "$raw-lossy.json" > /dev/null
+    polestar bench "${common[@]}" --set quant=none --set offload=none --overwrite --json "$raw-exact.json" > /dev/null
+    polestar bench "${common[@]}" --set quant=nvfp4 --set offload=cpu --overwrite --json "$raw-lossy.json" > /dev/null
     polestar agree "$raw-exact.json" "$raw-lossy.json" | tee "$OUT/$model-$task-agree.txt"
   done
 done

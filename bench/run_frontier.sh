@@ -17,11 +17,11 @@ for model in ${MODELS:-tiny-llada-noisy tiny-dream-noisy}; do
     dir="$RAW/$model-$task"
     mkdir -p "$dir"
     for tau in $TAUS; do
-      polestar bench "${common[@]}" --policies fast-dllm,parallel --set threshold="$tau" --json "$dir/tau-$tau.json" > /dev/null
+      polestar bench "${common[@]}" --policies fast-dllm,parallel --set threshold="$tau" --overwrite --json "$dir/tau-$tau.json" > /dev/null
     done
-    polestar bench "${common[@]}" --policies polestar-commit,polestar,eb,klass --json "$dir/adaptive.json" > /dev/null
+    polestar bench "${common[@]}" --policies polestar-commit,polestar,eb,klass --overwrite --json "$dir/adaptive.json" > /dev/null
     for alpha in $ALPHAS; do
-      polestar bench "${common[@]}" --policies polestar --set alpha="$alpha" --json "$dir/alpha-$alpha.json" > /dev/null
+      polestar bench "${common[@]}" --policies polestar --set alpha="$alpha" --overwrite --json "$dir/alpha-$alpha.json" > /dev/null
     done
     python bench/frontier_table.py "$dir" --plot "$OUT/$model-$task-frontier.png" | tee "$OUT/$model-$task-frontier.txt"
   done

@@ -14,13 +14,13 @@ ALL=baseline,parallel,fast-dllm,elastic-cache,polestar-cache,polestar-commit,pol
 for model in ${MODELS:-tiny-llada tiny-dream}; do
   for task in ${TASKS:-arith sudoku countdown parallel}; do
     polestar bench --model $model --task $task --policies $ALL --n "$N" --batch-size 50 \
-      --gen-length 64 --block-length 16 --json "$RAW/$model-$task.json" \
+      --gen-length 64 --block-length 16 --overwrite --json "$RAW/$model-$task.json" \
       | tee "$OUT/$model-$task.txt"
   done
   for task in ${T05_TASKS:-arith sudoku}; do
     # only `parallel` depends on the threshold: compare with the threshold-0.9 table's `baseline`
     polestar bench --model $model --task $task --policies parallel --set threshold=0.5 --n "$N" \
-      --batch-size 50 --gen-length 64 --block-length 16 --json "$RAW/$model-$task-t05.json" \
+      --batch-size 50 --gen-length 64 --block-length 16 --overwrite --json "$RAW/$model-$task-t05.json" \
       | tee "$OUT/$model-$task-t05.txt"
   done
   for task in ${ANATOMY_TASKS:-arith sudoku}; do

@@ -25,12 +25,12 @@ for model in ${MODELS:-tiny-llada tiny-dream}; do
     common=(--model "$model" --task "$task" --n "$N" --batch-size 50 --gen-length 64 --block-length 16)
     dir="$RAW/$model-$task"
     mkdir -p "$dir"
-    polestar bench "${common[@]}" --policies parallel,fast-dllm,elastic-cache --json "$dir/reference.json" > /dev/null
+    polestar bench "${common[@]}" --policies parallel,fast-dllm,elastic-cache --overwrite --json "$dir/reference.json" > /dev/null
     for config in "${CONFIGS[@]}"; do
       label=${config%%|*}
       sets=()
       for kv in ${config#*|}; do sets+=(--set "$kv"); done
-      polestar bench "${common[@]}" --policies polestar-cache "${sets[@]}" --json "$dir/$label.json" > /dev/null
+      polestar bench "${common[@]}" --policies polestar-cache "${sets[@]}" --overwrite --json "$dir/$label.json" > /dev/null
     done
     { python bench/sweep_table.py "$dir"; echo
       polestar agree "$dir/reference.json" "$dir/full-window.json" --policy-a parallel --policy-b polestar-cache
