@@ -318,9 +318,10 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     header = run_header(model_name, task_name, n, data, decoding, options, batch_size, dtype, device)  # as asked
     labels = {name: policy_label(name, options) for name in policies}
     manifest = build_manifest({**header, "policies": policies, "labels": labels}, str(device))
-    previous = check_previous(json_out, header, resume, overwrite) if json_out else None
     rank, world_size = distributed.init_from_env(device)
     device = distributed.local_device(device)
+    previous = check_previous(json_out, header, resume, overwrite) if json_out else None
+    distributed.barrier()  # every rank has read the earlier files before rank 0 moves any aside
     log = ItemLog(json_out, header, rank, world_size) if json_out else None
     finished = previous.records if previous is not None else {}
     if log is not None:

@@ -104,6 +104,21 @@ def test_huge_n_is_refused_naming_the_limit(task, n, limit, no_decoding, capsys)
     assert limit in capsys.readouterr().err
 
 
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
+    from polestar.bench.item_log import write_atomic
+
+    path = tmp_path / "summary.json"
+    write_atomic(path, "old")
+
+    def fails(tmp):
+        Path(tmp).write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_atomic(path, writer=fails)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
 def test_problem_generation_shows_progress(capsys):
     harness.load_problems("arith", 50, show_progress=True)
     err = capsys.readouterr().err
