@@ -32,7 +32,7 @@ import polestar
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit
 
-from .harness import decode_batch, load_problems, optional_overrides, summarize
+from .harness import decode_batch, load_problems, optional_overrides, policy_label, summarize
 from .tasks import get_task
 
 BIN_LABELS = ("<0.5", "0.5-lower", "band", ">=tau")
@@ -130,7 +130,8 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
         if isinstance(pipeline.commit, PolestarCommit):
             row["band_with_delta"] = recorder.counts["band_with_delta"]
             row["delta_passed_gate"] = recorder.counts["delta_passed_gate"]
-        row.update(accuracy=summary["accuracy"], tpf=summary["tpf"], tau=recorder.tau, lower=recorder.lower)
+        row.update(accuracy=summary["accuracy"], tpf=summary["tpf"], tau=recorder.tau, lower=recorder.lower,
+                   label=policy_label(name, options))
         out[name] = row
     return out
 
@@ -148,20 +149,22 @@ def reference_tokens(model, problems, gen_length: int) -> torch.Tensor:
 
 def format_anatomy(result: dict[str, dict[str, float]], title: str) -> str:
     """A table: candidate shares per confidence bin and commits per origin, one row per policy."""
-    head = (f"{'policy':16s} {'acc':>6s} {'TPF':>5s} {'cand.':>7s} {'<0.5':>6s} {'0.5-lo':>6s} {'band':>6s} "
+    width = max([16, *(len(r.get("label", name)) for name, r in result.items())])
+    head = (f"{'policy':{width}s} {'acc':>6s} {'TPF':>5s} {'cand.':>7s} {'<0.5':>6s} {'0.5-lo':>6s} {'band':>6s} "
             f"{'>=tau':>6s} {'c>=tau':>7s} {'top1<tau':>8s} {'other<tau':>9s} {'suffix':>6s} {'gate':>9s}")
     lines = [title, head, "-" * len(head)]
     precision = []
     for name, r in result.items():
+        name = r.get("label", name)  # the policy with the --set overrides that apply to it
         if "right_confident" in r:
             cells = [f"{o} {r[f'right_{o}']}/{r[o]}" + (f" ({100 * r[f'right_{o}'] / r[o]:.1f}%)" if r[o] else "")
                      for o in COMMIT_LABELS]
-            precision.append(f"  {name:16s} " + "; ".join(cells))
+            precision.append(f"  {name:{width}s} " + "; ".join(cells))
         cand = max(r["candidates"], 1)
         shares = " ".join(f"{100 * r[b] / cand:5.1f}%" for b in BIN_LABELS)
         gate = f"{r['delta_passed_gate']}/{r['band_with_delta']}" if "band_with_delta" in r else "-"
         lines.append(
-            f"{name:16s} {100 * r['accuracy']:5.1f}% {r['tpf']:5.2f} {r['candidates']:7d} {shares} "
+            f"{name:{width}s} {100 * r['accuracy']:5.1f}% {r['tpf']:5.2f} {r['candidates']:7d} {shares} "
             f"{r['confident']:7d} {r['top1_below_tau']:8d} {r['other_below_tau']:9d} {r['suffix']:6d} {gate:>9s}"
         )
     if precision:

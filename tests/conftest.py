@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -42,8 +43,8 @@ def shipped_models():
 
 @pytest.fixture
 def isolated_registry():
-    """Stages, policies and plugin modules (named ``hellinger*`` or from docs/examples) a test registers are removed
-    afterwards (other tests see the built-ins)."""
+    """Stages, policies and plugin modules (named ``hellinger*``, from docs/examples or from temporary files) a
+    test registers are removed afterwards (other tests see the built-ins)."""
     stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
     policies, origins = dict(policy._POLICIES), dict(policy._ORIGINS)
     modules = set(sys.modules)
@@ -55,7 +56,8 @@ def isolated_registry():
     policy._POLICIES.update(policies)
     policy._ORIGINS.clear()
     policy._ORIGINS.update(origins)
-    for name in set(sys.modules) - modules:  # plugin modules of the tests and of docs/examples
+    for name in set(sys.modules) - modules:  # plugin modules of the tests (temporary files) and of docs/examples
         origin = str(getattr(sys.modules[name], "__file__", None) or "")
-        if name.startswith("hellinger") or f"docs{os.sep}examples" in origin:
+        if (name.startswith("hellinger") or f"docs{os.sep}examples" in origin
+                or origin.startswith(tempfile.gettempdir())):
             del sys.modules[name]

@@ -39,6 +39,8 @@ def test_infinite_alpha_adds_no_early_commits():
     out = commit_anatomy("tiny-llada", "arith", ["polestar-commit"], 4, {"alpha": float("inf")}, DECODING)
     assert out["polestar-commit"]["other_below_tau"] == 0
     assert out["polestar-commit"]["delta_passed_gate"] == 0
+    assert out["polestar-commit"]["label"] == "polestar-commit[alpha=Infinity]"  # rows name their overrides
+    assert "polestar-commit[alpha=Infinity]" in format_anatomy(out, "t")
 
 
 def test_table_and_cli(anatomy, tmp_path, capsys):

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import polestar
+from polestar.bench.item_log import write_atomic
 from polestar.fixtures import write_published_checkpoint
 from polestar.kernels.drift import kl_drift, reference_kl_drift
 from polestar.kernels.kmeans import kmeans_assign, reference_kmeans_assign
@@ -228,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"\n# kernels: skipped ({blocker})")
         if args.json_out:
-            Path(args.json_out).write_text(json.dumps({"load": load, "forwards": forwards, "policies": rows,
-                                                       "kernels": kernels, "kernels_skipped": blocker}, indent=1))
+            write_atomic(args.json_out, json.dumps({"load": load, "forwards": forwards, "policies": rows,
+                                                    "kernels": kernels, "kernels_skipped": blocker}, indent=1))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
