@@ -61,23 +61,11 @@ def decode(
                       model.spec.mask_id).tolist()  # which blocks have work: one host read per generation
     block = _next_block(work, -1)
     global_step = 0
-    while block is not None:
-        begin_block(gen, block)
-        step = 0
-        while True:
-            before = gen.state.x.clone() if on_step is not None else None
-            gen.state.detail = StepDetail() if on_step is not None else None
-            out = runner(gen, block, gen.state.block_start, gen.state.block_end, step, global_step)
-            meter.add(out.cost)
-            read = out.work.tolist()  # the loop's termination check: the one host read per step
-            work, gen.state.refresh_flags = read[: config.num_blocks], tuple(read[config.num_blocks :])
-            if on_step is not None:
-                on_step(_record(gen, out, block, step, global_step, before))
-            step += 1
-            global_step += 1
-            if not work[block]:
-                break
-        block = _next_block(work, block)
+    with runner.running():
+        while block is not None:
+            begin_block(gen, block)
+            work, global_step = _run_block(gen, runner, block, global_step, meter, on_step)
+            block = _next_block(work, block)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     wall = time.perf_counter() - start_time
@@ -123,6 +111,26 @@ def begin_block(gen: Generation, block: int) -> None:
     gen.pipeline.refresh.begin_block(gen.refresh_local, state)
     gen.pipeline.commit.begin_block(gen.commit_local, state)
     gen.pipeline.refresh.allocate(gen.refresh_local, state, gen.cache, gen.model)
+
+
+def _run_block(gen: Generation, runner: StepRunner, block: int, global_step: int, meter: _RunMeter,
+               on_step: Callable[[StepRecord], None] | None) -> tuple[list[bool], int]:
+    """Step block ``block`` until its work flag clears → the last "work left" flags and the next global step."""
+    num_blocks = gen.config.num_blocks
+    step = 0
+    while True:
+        before = gen.state.x.clone() if on_step is not None else None
+        gen.state.detail = StepDetail() if on_step is not None else None
+        out = runner(gen, block, gen.state.block_start, gen.state.block_end, step, global_step)
+        meter.add(out.cost)
+        read = out.work.tolist()  # the loop's termination check: the one host read per step
+        work, gen.state.refresh_flags = read[:num_blocks], tuple(read[num_blocks:])
+        if on_step is not None:
+            on_step(_record(gen, out, block, step, global_step, before))
+        step += 1
+        global_step += 1
+        if not work[block]:
+            return work, global_step
 
 
 def _next_block(work: list[bool], after: int) -> int | None:

@@ -279,6 +279,7 @@ class StepRunner:
         self.eager_steps = 0
         self.compiled_steps = 0
         self._compiled = None
+        self._active = False
         if self.compile:
             backend = compile if isinstance(compile, str) else "inductor"
             mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
@@ -291,6 +292,20 @@ class StepRunner:
         for t in [*cache.k, *cache.v, *(cache.hidden or [])]:
             torch._dynamo.mark_static_address(t)
 
+    @contextlib.contextmanager
+    def running(self):
+        """Hold the compile settings (:func:`_compile_settings`) for a run of steps: entering them costs about as
+        much as a small compiled step, so a generation enters them once, not per step."""
+        if self._compiled is None or self._active:
+            yield
+            return
+        with _compile_settings():
+            self._active = True
+            try:
+                yield
+            finally:
+                self._active = False
+
     def __call__(self, gen: Generation, block_index: int, block_start: int, block_end: int, step: int,
                  global_step: int) -> StepOutput:
         gen.draw()
@@ -299,7 +314,7 @@ class StepRunner:
             self.eager_steps += 1
             return decode_step(*args)
         self.compiled_steps += 1
-        with _compile_settings():
+        with self.running():  # inside a generation's `running()` already: no per-step cost
             return self._compiled(*args)
 
 
