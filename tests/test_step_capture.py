@@ -3,7 +3,8 @@ through one captured graph (no eager step, no graph break), with the same tokens
 
 The capture checks use the ``eager`` backend of ``torch.compile``: dynamo traces each step whole
 (``fullgraph=True`` raises at the first graph break) without inductor's code generation, so every policy is
-checked in seconds; ``tests/test_compile.py`` compiles a few policies with inductor."""
+checked in seconds; ``tests/test_compile.py`` compiles a few policies with inductor. The LLaDA shape runs every
+registered policy; the Dream shape runs one policy per registered refresh and commit stage."""
 
 import pytest
 import torch
@@ -28,6 +29,19 @@ def small_model(request):
     return make_model(request.param, seed=11, n_layers=2 if request.param == "llada" else 1, d_model=32)
 
 
+def _one_policy_per_stage() -> list[str]:
+    """From the registry: for every refresh and commit stage some policy uses, the first policy that uses it (the
+    Dream shape runs these; the LLaDA shape runs every policy)."""
+    chosen: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for name in policy_names():
+        stages = {(kind, stage.name) for kind, stage in assemble(name, {}).stages.items()}
+        if not stages <= seen:
+            chosen.append(name)
+            seen |= stages
+    return chosen
+
+
 def _decode(model, policy: str, compile):
     pipeline = assemble(policy, {"threshold?": 0.3})
     ids, mask = polestar.api.encode_prompts(model, PROMPTS)
@@ -37,8 +51,19 @@ def _decode(model, policy: str, compile):
     return tokens, stats, runner, reads
 
 
-@pytest.mark.parametrize("policy", policy_names())
-def test_one_host_read_per_step_and_every_step_captured(small_model, policy):
+CAPTURE_CASES = [("llada", p) for p in policy_names()] + [("dream", p) for p in _one_policy_per_stage()]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {}
+
+
+@pytest.mark.parametrize("family, policy", CAPTURE_CASES, ids=[f"{f}-{p}" for f, p in CAPTURE_CASES])
+def test_one_host_read_per_step_and_every_step_captured(models, family, policy):
+    if family not in models:  # built once per module, as the small_model fixture does
+        models[family] = make_model(family, seed=11, n_layers=2 if family == "llada" else 1, d_model=32)
+    small_model = models[family]
     eager_tokens, eager_stats, eager_runner, eager_reads = _decode(small_model, policy, False)
     # one read per step (which blocks have work left), one before the first step, one for the final counters
     assert len(eager_reads) == eager_stats.nfe + 2, eager_reads

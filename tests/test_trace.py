@@ -257,7 +257,8 @@ def test_a_compiled_step_records_the_same_details(name):
     runs = []
     for compile in (False, "eager"):
         records = []
-        out = polestar.generate(model, [PROMPT], policy=name, on_step=records.append, compile=compile, **DECODING)
+        out = polestar.generate(model, [PROMPT], policy=name, on_step=records.append, compile=compile,
+                                **{**DECODING, "gen_length": 16})  # two blocks: a sparse update over a prefix window
         runs.append((out, records))
     (eager, eager_records), (compiled, compiled_records) = runs
     assert compiled.stats.compiled_steps == compiled.stats.nfe > 0
