@@ -20,12 +20,15 @@ class Prediction(NamedTuple):
     ``tokens``: ``[B, bl]`` long, argmax (or Gumbel-max sample) with the mask token excluded;
     ``confidence``: ``[B, bl]`` float64, probability of ``tokens`` under :func:`token_log_probs` (the mask token
     excluded; ``-inf`` where not masked);
-    ``logits``: ``[B, bl, V]`` raw logits of the block positions.
+    ``logits``: ``[B, bl, V]`` raw logits of the block positions;
+    ``log_probs``: ``[B, bl, V]`` float64 :func:`token_log_probs` of ``logits``, computed once per step for the
+    proposal and read by the commit rules that need the whole distribution (entropy, KL).
     """
 
     tokens: torch.Tensor
     confidence: torch.Tensor
     logits: torch.Tensor
+    log_probs: torch.Tensor | None = None
 
 
 class StepRandom(NamedTuple):
@@ -61,7 +64,14 @@ def propose(
     uniform draws ``noise`` (same shape as ``logits``) or, without them, drawn here from ``generator``. Confidence
     is the proposed token's probability under that same distribution (mask token excluded).
     """
-    logp = token_log_probs(logits, mask_id)
+    return propose_from(token_log_probs(logits, mask_id), temperature, generator, noise)
+
+
+def propose_from(
+    logp: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`propose` from the distribution ``logp [..., V]`` (:func:`token_log_probs`) already computed."""
     scores = logp
     if temperature > 0:
         if noise is None:

@@ -31,15 +31,24 @@ from polestar.models.plan import DecodeCache, Plan
 from .config import GenerationConfig
 from .policy import Pipeline
 from .profiling import scope
-from .state import CommitOrigins, DecodeState, Prediction, StepRandom, UpdatePacket, propose
+from .state import (
+    CommitOrigins,
+    DecodeState,
+    Prediction,
+    StepRandom,
+    UpdatePacket,
+    propose_from,
+    token_log_probs,
+)
 
 
 def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, noise: torch.Tensor | None,
             mask_id: int) -> Prediction:
     """Proposals for the block (see :func:`polestar.state.propose`): ``logits [B, bl, V]``, ``masked [B, bl]``,
     ``noise [B, bl, V]`` uniform draws or None → :class:`Prediction` with ``-inf`` confidence outside ``masked``."""
-    tokens, conf = propose(logits, mask_id, temperature, noise=noise)
-    return Prediction(tokens, conf.masked_fill(~masked, float("-inf")), logits)
+    logp = token_log_probs(logits, mask_id)
+    tokens, conf = propose_from(logp, temperature, noise=noise)
+    return Prediction(tokens, conf.masked_fill(~masked, float("-inf")), logits, logp)
 
 
 def eos_finished(gen: torch.Tensor, mask_id: int, stop_ids: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

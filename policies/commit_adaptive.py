@@ -125,7 +125,13 @@ class PolestarCommitState:
 def token_entropy(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     """Entropy (nats, float64) of the token distribution decoding draws from (:func:`token_log_probs`, the mask
     token excluded): ``logits [..., V]`` → ``[...]``."""
-    return torch.special.entr(token_log_probs(logits, mask_id).exp()).sum(-1)
+    return log_probs_entropy(token_log_probs(logits, mask_id))
+
+
+def log_probs_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of the distribution ``logp [..., V]`` (log-probabilities, ``-inf`` entries allowed) →
+    ``[...]``."""
+    return torch.special.entr(logp.exp()).sum(-1)
 
 
 @register("commit", "entropy-bound")
@@ -145,7 +151,7 @@ class EntropyBoundCommit(CommitRule):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         conf = pred.confidence.masked_fill(~masked, float("-inf"))
         order = conf.argsort(dim=1, descending=True, stable=True)
-        ent = token_entropy(pred.logits, state.mask_id).masked_fill(~masked, 0.0).gather(1, order)
+        ent = log_probs_entropy(pred.log_probs).masked_fill(~masked, 0.0).gather(1, order)
         csum = ent.cumsum(dim=1)
         cmax = ent.cummax(dim=1).values
         ok = (csum - cmax) <= self.config.gamma
@@ -178,7 +184,7 @@ class KLASSCommit(CommitRule):
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local: KLASSState) -> CommitSelection:
         # float32, the mask entry at the dtype's minimum: its p is 0 and its KL term 0 * 0, never inf - inf
-        logp = token_log_probs(pred.logits, state.mask_id).float().clamp_min(torch.finfo(torch.float32).min)
+        logp = pred.log_probs.float().clamp_min(torch.finfo(torch.float32).min)
         if local.logp is None:
             streak = torch.zeros_like(masked, dtype=torch.long)
         else:
