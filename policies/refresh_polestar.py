@@ -207,7 +207,7 @@ class PolestarRefreshState:
 
     ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: per
     layer the k-means seeds drawn for this block, the window parts stacked as groups ``[P * B, n]`` (``k_valid
-    [P * B, k]`` their enabled clusters); ``key_rope``: cos, sin of the cache positions for :func:`proxy_keys`
+    [P * B, k]`` their enabled clusters); ``key_rope``: cos, sin of the cache positions for :func:`proxy_probs`
     (None with ``proxy_rope``); ``store``: the window's stored layer inputs and ``qstore`` their queries
     (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
     ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; ``due``: ``[B]`` rows due
@@ -247,15 +247,19 @@ class PolestarRefreshState:
         return self.buffers[n]
 
 
-def proxy_keys(cache: DecodeCache, layer: int, key_rope: tuple | None) -> torch.Tensor:
-    """The keys centroid queries are scored against at ``layer``: the cached (rotated) keys when ``key_rope`` is
-    None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos, sin
+def proxy_probs(model, cache: DecodeCache, layer: int, key_rope: tuple | None, q: torch.Tensor, meter) -> torch.Tensor:
+    """Centroid queries ``q [B, H, R, hd]`` scored against ``layer``'s keys → fp32 ``[B, H, R, T+1]``
+    (:meth:`~polestar.models.backbone.DiffusionLM.attention_probs`). The keys are the cached (rotated) ones when
+    ``key_rope`` is None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos, sin
     ``[B, 1, T + 1, hd]`` of the cache positions), as the authors' released code scores un-rotated centroid
-    queries against un-rotated keys."""
-    if key_rope is None:
-        return cache.k[layer]
-    cos, sin = key_rope
-    return Rotary.apply(cache.k[layer], cos, -sin)
+    queries against un-rotated keys; that pass reads the keys once more, and ``meter`` counts it."""
+    keys = cache.k[layer]
+    if key_rope is not None:
+        if meter is not None:
+            meter.attention(keys, None)  # the pass that undoes the rotary embedding
+        cos, sin = key_rope
+        keys = Rotary.apply(keys, cos, -sin)
+    return model.attention_probs(q, keys, cache.key_valid, meter)
 
 
 class _BuildHook(LayerHook):
@@ -325,9 +329,7 @@ class _BuildHook(LayerHook):
         with local.side.run(q_window), scope("store"):
             local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            keys = proxy_keys(self.cache, layer, local.key_rope)
-            local.prev.append(self.model.attention_probs(qkv.q[:, :, C:], keys, self.cache.key_valid,
-                                                         qkv.meter))
+            local.prev.append(proxy_probs(self.model, self.cache, layer, local.key_rope, qkv.q[:, :, C:], qkv.meter))
         return None
 
 
@@ -384,9 +386,7 @@ class _PolestarMembers(MemberStrategy):
             with scope("store"):
                 local.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
-            keys = proxy_keys(self.cache, layer, local.key_rope)
-            cur = model.attention_probs(q_extra[:, :, self.n_kv:], keys, self.cache.key_valid,
-                                        qkv.meter)
+            cur = proxy_probs(model, self.cache, layer, local.key_rope, q_extra[:, :, self.n_kv:], qkv.meter)
         with scope("drift"):
             drift = sel.drift.score(cur, local.prev[layer])
         local.prev[layer] = torch.where(self.due[:, None, None, None], cur, local.prev[layer])

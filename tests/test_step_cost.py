@@ -65,18 +65,19 @@ def test_polestar_cache_counters_equal_the_hand_count(llada):
     blocks = [(4, _capacities(16, 2, 1, 4)), (3, _capacities(8, 2, 1, 4))]  # (clusters, member capacities)
     weight = evals = probes = kv = 0
     for k, caps in blocks:
-        # the block start: a full forward, the centroids ride along each layer's q pass, one proxy read per layer
+        # the block start: a full forward, the centroids ride along each layer's q pass; per layer the keys are
+        # read twice more: once to undo their rotary embedding, once by the proxy attention
         weight += _dense_step(T)
         evals += B * L * T
         probes += B * L * k
-        kv += L * (KV_READ + K_READ)
+        kv += L * (KV_READ + 2 * K_READ)
         # 7 update steps: block + members through the MLP; centroids and the previous layer's packet through q/k/v;
         # layer 0's members read their embedding rows
         for _ in range(BL - 1):
             weight += _dense_step(BL) + B * caps[0] * D * F32
             evals += B * sum(BL + c for c in caps)
             probes += B * (L * k + sum(caps[:-1]))
-            kv += L * (KV_READ + K_READ)
+            kv += L * (KV_READ + 2 * K_READ)
     assert (s.weight_bytes, s.token_layer_evals, s.proxy_query_evals, s.kv_bytes) == (weight, evals, probes, kv)
 
 
