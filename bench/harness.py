@@ -22,6 +22,7 @@ from polestar.bench.manifest import build_manifest, manifest_path
 from polestar.bench.tasks import get_task
 from polestar.bench.tasks.base import Problem, check_split_size, split
 from polestar.evaluation import distributed
+from polestar.models.loading import dtype_name
 from polestar.policy import Pipeline
 from polestar.registry import KINDS
 
@@ -361,7 +362,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     return {
         "model": model_name, "task": task_name, "n": len(problems), "decoding": decoding, "options": options,
         "items": items, "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "manifest": manifest,
-        "dtype": str(model.dtype).removeprefix("torch."),  # the dtype the weights were loaded in
+        "dtype": dtype_name(model.dtype),  # the dtype the weights were loaded in
     }
 
 

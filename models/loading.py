@@ -143,7 +143,7 @@ class DtypeChoice:
     def line(self) -> str:
         """One line: the load dtype, why, and the bytes per dtype on disk when they are mixed."""
         disk = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.on_disk) or "no floating tensors"
-        return f"loads in {_dtype_name(self.dtype)} ({self.source}; on disk: {disk})"
+        return f"loads in {dtype_name(self.dtype)} ({self.source}; on disk: {disk})"
 
 
 def format_bytes(n: int) -> str:
@@ -154,7 +154,8 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -164,7 +165,7 @@ def disk_dtypes(entries: dict[str, TensorEntry]) -> tuple[tuple[str, int], ...]:
     sizes: dict[str, int] = {}
     for entry in entries.values():
         if entry.dtype.is_floating_point:
-            name = _dtype_name(entry.dtype)
+            name = dtype_name(entry.dtype)
             sizes[name] = sizes.get(name, 0) + entry.end - entry.start
     return tuple(sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])))
 

@@ -11,7 +11,7 @@ Sources: LLaDA-8B-Instruct and Dream-v0-Instruct-7B model cards (chat usage with
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,24 +113,28 @@ def _check_tokenizer_json(path: Path) -> None:
 def text_defaults(directory: Path, tokenizer, config_eos: int) -> TextDefaults:
     """Stop ids and decoding defaults from ``generation_config.json`` (optional), config.json's EOS and the
     tokenizer's end-of-turn token."""
+    gen = read_json_if_present(directory / "generation_config.json")
+    decoding = {keyword: gen[field] for field, keyword in GENERATION_DEFAULTS.items() if gen.get(field) is not None}
+    vocab = tokenizer.get_vocab() if tokenizer is not None else None
+    return TextDefaults(stop_ids(config_eos, gen.get("eos_token_id"), vocab), decoding)
+
+
+def stop_ids(config_eos: int, generation_eos, vocab: Mapping[str, int] | None) -> tuple[int, ...]:
+    """The ids that end a sequence: config.json's EOS, generation_config.json's ``eos_token_id`` (an int or a
+    list), and the chat format's end-of-turn token when ``vocab`` (token → id; None without a tokenizer) has it."""
     stops = [config_eos]
-    decoding: dict[str, Any] = {}
-    gen_path = directory / "generation_config.json"
-    if gen_path.is_file():
-        gen = _read_json(gen_path)
-        eos = gen.get("eos_token_id")
-        for i in eos if isinstance(eos, list) else [eos]:
-            if isinstance(i, int) and i not in stops:
-                stops.append(i)
-        for field, keyword in GENERATION_DEFAULTS.items():
-            if gen.get(field) is not None:
-                decoding[keyword] = gen[field]
-    if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
-        for token in END_OF_TURN_TOKENS:
-            if token in vocab and vocab[token] not in stops:
-                stops.append(vocab[token])
-    return TextDefaults(tuple(stops), decoding)
+    for i in generation_eos if isinstance(generation_eos, list) else [generation_eos]:
+        if isinstance(i, int) and i not in stops:
+            stops.append(i)
+    for token in END_OF_TURN_TOKENS if vocab is not None else ():
+        if token in vocab and vocab[token] not in stops:
+            stops.append(vocab[token])
+    return tuple(stops)
+
+
+def read_json_if_present(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (see :func:`_read_json`), or ``{}`` when the file does not exist."""
+    return _read_json(path) if path.is_file() else {}
 
 
 def check_mask_id(directory: Path, tokenizer, mask_id: int) -> None:

@@ -188,6 +188,7 @@ def _preset_for(args):
 def cmd_generate(args) -> int:
     import polestar
     from polestar import presets
+    from polestar.models.loading import dtype_name
     from polestar.stats import RunStats
 
     if args.preset not in ("auto", "none"):
@@ -236,7 +237,7 @@ def cmd_generate(args) -> int:
         if args.json:  # one JSON object per batch (one line each)
             print(json.dumps({
                 "policy": args.policy,
-                "dtype": str(model.dtype).removeprefix("torch."),
+                "dtype": dtype_name(model.dtype),
                 "stages": out.pipeline.describe(),
                 "tokens": out.tokens.tolist(),
                 "prompt_ids": out.prompt_ids,

@@ -9,7 +9,6 @@ inspect`` prints it; ``generate``, ``bench`` and ``lm-eval`` print its one-line 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from polestar.models.loading import (
     REFUSALS,
     DtypeChoice,
     choose_dtype,
+    dtype_name,
     expected_shapes,
     family_of,
     format_bytes,
@@ -30,7 +30,7 @@ from polestar.models.loading import (
     tensor_entries,
     tensor_problems,
 )
-from polestar.models.text import END_OF_TURN_TOKENS
+from polestar.models.text import read_json_if_present, stop_ids
 from polestar.presets import Preset, explain_preset
 
 #: generation length used for the K/V figure when no preset matches
@@ -83,12 +83,12 @@ class CheckpointReport:
     @property
     def weight_bytes_loaded(self) -> int:
         """Bytes the weights take once loaded (parameters × the load dtype's size)."""
-        return self.n_params * _itemsize(self.dtype.dtype)
+        return self.n_params * self.dtype.dtype.itemsize
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer for one token of one sequence, in the load dtype."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * _itemsize(self.dtype.dtype)
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.dtype.itemsize
 
     @property
     def kv_bytes(self) -> int:
@@ -100,7 +100,7 @@ class CheckpointReport:
         preset = f"preset {self.preset.name}" if self.preset is not None else "no preset (command defaults apply)"
         refused = f"; REFUSED: {self.refused[0]}" if self.refused else ""
         return (f"[model] {self.directory}: {self.family}, {_count(self.n_params)} parameters, "
-                f"{self.dtype.disk_dtype or 'no floating tensors'} on disk, loads in {_name(self.dtype.dtype)}; "
+                f"{self.dtype.disk_dtype or 'no floating tensors'} on disk, loads in {dtype_name(self.dtype.dtype)}; "
                 f"{preset}{refused}")
 
     def as_dict(self) -> dict[str, Any]:
@@ -113,7 +113,7 @@ class CheckpointReport:
                       "max_seq_len": self.max_seq_len},
             "n_params": self.n_params,
             "dtype_on_disk": dict(self.dtype.on_disk),
-            "load_dtype": _name(self.dtype.dtype),
+            "load_dtype": dtype_name(self.dtype.dtype),
             "load_dtype_source": self.dtype.source,
             "weight_bytes_on_disk": self.weight_bytes_on_disk,
             "weight_bytes_loaded": self.weight_bytes_loaded,
@@ -194,50 +194,25 @@ def tokenizer_facts(directory: Path, config_eos: int) -> TokenizerFacts:
     """:class:`TokenizerFacts` of ``directory`` from its JSON files."""
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json")
     files = tuple(n for n in names if (directory / n).is_file())
-    tok_config = _json(directory / "tokenizer_config.json")
+    tok_config = read_json_if_present(directory / "tokenizer_config.json")
     added = _added_tokens(directory, tok_config)
-    stops = [config_eos]
-    eos = _json(directory / "generation_config.json").get("eos_token_id")
-    for i in eos if isinstance(eos, list) else [eos]:
-        if isinstance(i, int) and i not in stops:
-            stops.append(i)
-    if files:
-        for token in END_OF_TURN_TOKENS:
-            if token in added and added[token] not in stops:
-                stops.append(added[token])
+    generation_eos = read_json_if_present(directory / "generation_config.json").get("eos_token_id")
+    stops = stop_ids(config_eos, generation_eos, added if files else None)
     bos = tok_config.get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
     return TokenizerFacts(files, bool(tok_config.get("chat_template")),
-                          (bos, added.get(bos)) if isinstance(bos, str) else None, tuple(stops))
+                          (bos, added.get(bos)) if isinstance(bos, str) else None, stops)
 
 
 def _added_tokens(directory: Path, tok_config: dict[str, Any]) -> dict[str, int]:
     """Added-token text → id from tokenizer.json, added_tokens.json and tokenizer_config.json."""
     added: dict[str, int] = {}
-    for entry in _json(directory / "tokenizer.json").get("added_tokens", []):
+    for entry in read_json_if_present(directory / "tokenizer.json").get("added_tokens", []):
         added[entry["content"]] = int(entry["id"])
-    added.update({k: int(i) for k, i in _json(directory / "added_tokens.json").items()})
+    added.update({k: int(i) for k, i in read_json_if_present(directory / "added_tokens.json").items()})
     for i, entry in tok_config.get("added_tokens_decoder", {}).items():
         added[entry["content"]] = int(i)
     return added
-
-
-def _json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); restore it from the published checkpoint") from err
-    return data if isinstance(data, dict) else {}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _count(n: int) -> str:
