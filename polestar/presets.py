@@ -72,7 +72,7 @@ class Preset:
 
     def matches(self, config: Mapping[str, Any]) -> bool:
         """True when every ``match`` field equals config.json's."""
-        return all(config.get(k) == want for k, want in self.match.items())
+        return not self.mismatches(config)
 
     def as_dict(self) -> dict[str, Any]:
         """The preset as plain JSON-ready data (``polestar presets --json``)."""

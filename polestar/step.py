@@ -323,7 +323,9 @@ class StepRunner:
             self.eager_steps += 1
             return decode_step(*args)
         self.compiled_steps += 1
-        with self.running():  # inside a generation's `running()` already: no per-step cost
+        if self._active:  # inside a generation's `running()`: the settings are in place
+            return self._compiled(*args)
+        with self.running():
             return self._compiled(*args)
 
 
