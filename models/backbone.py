@@ -231,9 +231,11 @@ class DiffusionLM(nn.Module):
         cache.k[layer].scatter_(2, slot, k)
         cache.v[layer].scatter_(2, slot, v)
 
-    def project_queries(self, layer: int, h: torch.Tensor, positions: torch.Tensor, meter: CostMeter) -> torch.Tensor:
-        """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]``: a pass over the
-        layer's q weight of its own (a hook that needs queries it could not ride along the layer's pass)."""
+    def project_queries(self, layer: int, h: torch.Tensor, positions: torch.Tensor | None,
+                        meter: CostMeter) -> torch.Tensor:
+        """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]`` (None: no RoPE, the
+        queries as at position 0): a pass over the layer's q weight of its own (a hook that needs queries it could not
+        ride along the layer's pass)."""
         spec = self.spec
         parts = self.layer_parts(layer)
         B, X, _ = h.shape
@@ -241,6 +243,8 @@ class DiffusionLM(nn.Module):
         meter.linear(parts.q)
         meter.rows(probe_rows=B * X)
         q = parts.q(parts.attn_norm(h)).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
+        if positions is None:
+            return q
         cos, sin = self.rotary.cos_sin(positions)
         return Rotary.apply(q, cos, sin)
 

@@ -97,7 +97,15 @@ def member_capacity(window: int, k: int, n_clusters: int, capacity: float) -> in
 
 @register("refresh", "polestar")
 class PolestarRefresh(RefreshSelector):
-    """Polestar-Cache (see module docstring). Defaults are the paper's / authors' code values."""
+    """Polestar-Cache (see module docstring). Defaults are the paper's / authors' code values.
+
+    ``cluster_layers_together``: at a block start, cluster every layer's window in one clusterer call after the
+    forward (True) or each layer's window inside its pass (False); None (default) picks True on a CPU and False
+    elsewhere. Together, the clusterer runs once per block start instead of once per layer (``n_layers`` times
+    fewer small operations, what an eager step on a CPU pays for), and the centroid queries take one more pass over
+    each layer's q weight after the forward (counted in ``weight_bytes``). Each layer inside its pass, the centroids
+    ride along the layer's q pass and every weight is read once per step (what a bandwidth-bound GPU step pays
+    for). Both give the same clusters, stores and proxy distributions up to the rounding of the q projection."""
 
     @attrs.frozen
     class Config:
@@ -110,6 +118,7 @@ class PolestarRefresh(RefreshSelector):
         window_refresh_every: int = attrs.field(default=4, validator=v.ge(0))
         capacity: float = attrs.field(default=1.5, validator=v.gt(0.0))
         proxy_rope: bool = attrs.field(default=False, validator=v.instance_of(bool))
+        cluster_layers_together: bool | None = attrs.field(default=None, validator=v.optional(v.instance_of(bool)))
 
         def __attrs_post_init__(self):  # only n_clusters clusters exist to pick from
             for name in ("topk", "topk_last"):
@@ -135,24 +144,30 @@ class PolestarRefresh(RefreshSelector):
 
     def allocate(self, local: PolestarRefreshState, state: DecodeState, cache: DecodeCache, model) -> None:
         """The block's window, its stores (allocated once per window size, reused) and the k-means seeds, drawn
-        from the generation's generator in a fixed (layer, part) order, one key row shared by the batch."""
+        from the generation's generator in one draw ``[n_layers, parts, n]``, one key row shared by the batch."""
         bl = state.block_length
         local.window = make_window(state.block_start, state.block_end, state.logit_shift,
                                    self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
         local.store = local.qstore = None
-        local.keys = []
+        local.keys = None
         if local.window.size == 0:
             return
         local.store, local.qstore = local.stores_for(self, state, model)
         local.key_rope = None if self.config.proxy_rope else model.rotary.cos_sin(cache.positions)
-        B, device = state.batch_size, state.x.device
+        B, device, L = state.batch_size, state.x.device, model.spec.n_layers
         parts = window_parts(local.window, self.config.n_clusters)
         n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
         local.k_valid = torch.cat([(torch.arange(k_max, device=device) < k).expand(B, -1) for _lo, _hi, k in parts])
-        if self.clusterer.needs_keys:  # per layer the parts' keys stacked as groups, padded to the longer part
-            local.keys = [torch.cat([pad_columns(init_keys(1, hi - lo, state.generator, device).expand(B, -1),
-                                                 n_max, -1.0) for lo, hi, _k in parts])
-                          for _ in range(model.spec.n_layers)]
+        if self.clusterer.needs_keys:  # [L, P * B, n_max]: per (layer, part) one key row shared by the batch; the
+            # padding columns past a part's length are invalid points, never picked whatever their key
+            P = len(parts)
+            keys = init_keys(L * P, n_max, state.generator, device).view(L, P, 1, n_max)
+            local.keys = keys.expand(L, P, B, n_max).reshape(L, P * B, n_max)
+
+    def clusters_together(self, device: torch.device) -> bool:
+        """Whether a block start clusters every layer in one clusterer call (see the class docstring)."""
+        together = self.config.cluster_layers_together
+        return torch.device(device).type == "cpu" if together is None else together
 
     # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, state: DecodeState, cache: DecodeCache, local: PolestarRefreshState) -> Plan:
@@ -205,9 +220,9 @@ class PolestarRefreshState:
     """Per-generation state of :class:`PolestarRefresh`; everything but ``side`` and the store buffers is reset at
     each block start.
 
-    ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: per
-    layer the k-means seeds drawn for this block, the window parts stacked as groups ``[P * B, n]`` (``k_valid
-    [P * B, k]`` their enabled clusters); ``key_rope``: cos, sin of the cache positions for :func:`proxy_probs`
+    ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: the
+    k-means seeds drawn for this block ``[L, P * B, n]`` (None for a clusterer without keys), per layer the window
+    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, sin of the cache positions for :func:`proxy_probs`
     (None with ``proxy_rope``); ``store``: the window's stored layer inputs and ``qstore`` their queries
     (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
     ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; ``due``: ``[B]`` rows due
@@ -218,7 +233,7 @@ class PolestarRefreshState:
 
     side: SideStream
     window: Window | None = None
-    keys: list = attrs.field(factory=list)
+    keys: torch.Tensor | None = None
     k_valid: torch.Tensor | None = None
     key_rope: tuple | None = None
     due: torch.Tensor | None = None
@@ -263,14 +278,22 @@ def proxy_probs(model, cache: DecodeCache, layer: int, key_rope: tuple | None, q
 
 
 class _BuildHook(LayerHook):
-    """Block start: at each layer of the forward, cluster the window's inputs, store them (residuals to their
-    centroid) and their queries, and record the centroids' proxy distributions.
+    """Block start: cluster the window's inputs at every layer, store them (residuals to their centroid) and their
+    queries, and record the centroids' proxy distributions.
 
-    The centroids ride along the layer's q pass as query-only rows (:meth:`extra_rows`); after the layer's K/V
-    writes, their attention over the keys becomes ``prev`` and the window rows' queries go to the query store
-    (:meth:`members`). The clusterer's random initial keys are drawn at the block start in a fixed (layer,
-    part) order, one key row shared by the batch, before the step (:meth:`PolestarRefresh.allocate`), so the
-    whole block start runs inside the compiled step.
+    The window rows' queries go to the query store at each layer (:meth:`members`). Clustering and the proxy
+    distributions then take one of two routes (:meth:`PolestarRefresh.clusters_together`):
+
+    * each layer inside its pass: the layer's window is clustered in :meth:`extra_rows`, its centroids ride along
+      the layer's q pass as query-only rows, and after the layer's K/V writes their attention over the keys
+      becomes ``prev``;
+    * all layers together: each layer's window inputs are kept, and once the last layer has written its K/V, one
+      clusterer call clusters every layer's window (the layers' parts stacked as groups ``[L * P * B, n]``), then
+      each layer's centroid queries take a q pass of their own (:meth:`~polestar.models.backbone.DiffusionLM.
+      project_queries`) and their attention becomes ``prev``.
+
+    The clusterer's random initial keys are drawn at the block start, before the step
+    (:meth:`PolestarRefresh.allocate`), so the whole block start runs inside the compiled step.
     """
 
     def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, local: PolestarRefreshState):
@@ -281,46 +304,69 @@ class _BuildHook(LayerHook):
         self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
         self.parts = window_parts(window, sel.config.n_clusters)
         self.rope_pos = cache.positions.index_select(1, window.positions)
+        self.together = sel.clusters_together(state.x.device)
+        self.inputs: list[torch.Tensor] = []  # each layer's window inputs [B, Nw, d], kept when clustering together
 
-    def _cluster(self, layer: int, hw: torch.Tensor):
-        """``hw [B, Nw, d]`` → ``centroids [B, K, d]``, ``labels [B, Nw]`` (window-wide cluster ids, -1 invalid),
-        ``counts [B, K]``. The prefix and suffix parts are clustered separately, in one clusterer call: each part is
-        a group of its own, padded to the longer part (padding invalid) with the clusters it lacks disabled."""
+    def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
+        """``hw [n, B, Nw, d]`` (``n`` layers), ``keys [n, P * B, m]`` or None → ``centroids [n, B, K, d]``,
+        ``labels [n, B, Nw]`` (window-wide cluster ids, -1 invalid), ``counts [n, B, K]``. The prefix and suffix
+        parts of every layer are clustered separately, in one clusterer call: each (layer, part) is a group of its
+        own, padded to the longer part (padding invalid) with the clusters it lacks disabled."""
         local, parts = self.local, self.parts
-        B = hw.shape[0]
+        n, B, Nw, d = hw.shape
+        P = len(parts)
         n_max, k_max = max(hi - lo for lo, hi, _k in parts), local.k_valid.shape[1]
-        x = torch.cat([pad_columns(hw[:, lo:hi].float(), n_max, 0.0) for lo, hi, _k in parts])
+        flat = hw.reshape(n * B, Nw, d).float()
+        x = torch.stack([pad_columns(flat[:, lo:hi], n_max, 0.0).view(n, B, n_max, d) for lo, hi, _k in parts], 1)
         ok = torch.cat([pad_columns(local.window.valid[:, lo:hi], n_max, False) for lo, hi, _k in parts])
-        seeds = local.keys[layer] if local.keys else None
+        groups = n * P * B
+        seeds = None if keys is None else keys.reshape(groups, n_max)
+        k_valid = local.k_valid.repeat(n, 1)
         with scope("cluster"):
-            c, lab, cnt = self.sel.clusterer.cluster(x, k_max, ok, None, seeds, k_valid=local.k_valid)
+            c, lab, cnt = self.sel.clusterer.cluster(x.reshape(groups, n_max, d), k_max, ok.repeat(n, 1), None,
+                                                     seeds, k_valid=k_valid)
+        c, lab, cnt = c.view(n, P, B, k_max, d), lab.view(n, P, B, n_max), cnt.view(n, P, B, k_max)
         centroids, labels, counts, offset = [], [], [], 0
         for i, (lo, hi, k) in enumerate(parts):
-            rows = slice(i * B, (i + 1) * B)
-            centroids.append(c[rows, :k])
-            counts.append(cnt[rows, :k])
-            part_labels = lab[rows, : hi - lo]
+            centroids.append(c[:, i, :, :k])
+            counts.append(cnt[:, i, :, :k])
+            part_labels = lab[:, i, :, : hi - lo]
             labels.append(torch.where(part_labels >= 0, part_labels + offset, -1))
             offset += k
-        return torch.cat(centroids, dim=1).to(hw.dtype), torch.cat(labels, dim=1), torch.cat(counts, dim=1)
+        return torch.cat(centroids, dim=2).to(hw.dtype), torch.cat(labels, dim=2), torch.cat(counts, dim=2)
 
-    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows:
+    def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows and
+        keep their clusters; → the centroids ``[n, B, K, d]`` and their RoPE positions ``[n, B, K]``."""
         local = self.local
+        centroids, labels, counts = self._cluster(hw, keys)
+        if self.sel.config.proxy_rope:  # the members' mean position
+            onehot = torch.nn.functional.one_hot(labels.clamp_min(0), centroids.shape[2]).float()
+            onehot = onehot * (labels >= 0)[..., None].float()
+            centroid_pos = (torch.einsum("nbwk,bw->nbk", onehot, self.rope_pos.float())
+                            / counts.clamp_min(1)).round().long()
+        else:  # rotary at position 0 is the identity: un-rotated centroid queries
+            centroid_pos = torch.zeros(counts.shape, dtype=torch.long, device=counts.device)
+        anchor = None
+        if not local.store.quant.lossless:  # a lossy store keeps residuals to each member's centroid
+            anchor = centroids.gather(2, labels.clamp_min(0)[..., None].expand(-1, -1, -1, hw.shape[-1]))
+        for i in range(hw.shape[0]):
+            with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
+                local.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
+            local.centroids.append(centroids[i])
+            local.labels.append(labels[i])
+            local.counts.append(counts[i])
+            local.centroid_pos.append(centroid_pos[i])
+        return centroids, centroid_pos
+
+    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
         hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
-        centroids, labels, counts = self._cluster(layer, hw)
-        k_total = centroids.shape[1]
-        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_total).float() * (labels >= 0)[..., None].float()
-        centroid_pos = (torch.einsum("bnk,bn->bk", onehot, self.rope_pos.float()) / counts.clamp_min(1)).round().long()
-        if not self.sel.config.proxy_rope:  # rotary at position 0 is the identity: un-rotated centroid queries
-            centroid_pos = torch.zeros_like(centroid_pos)
-        anchor = centroids.gather(1, labels.clamp_min(0)[..., None].expand(-1, -1, hw.shape[-1]))
-        with local.side.run(hw, anchor), scope("store"):
-            local.store.write_all(layer, hw, anchor)
-        local.centroids.append(centroids)
-        local.labels.append(labels)
-        local.counts.append(counts)
-        local.centroid_pos.append(centroid_pos)
-        return ExtraRows(centroids, centroid_pos, torch.full_like(centroid_pos, self.cache.trash))
+        if self.together:
+            self.inputs.append(hw)
+            return None
+        keys = None if self.local.keys is None else self.local.keys[layer : layer + 1]
+        centroids, centroid_pos = self._record(layer, hw[None], keys)
+        return ExtraRows(centroids[0], centroid_pos[0], torch.full_like(centroid_pos[0], self.cache.trash))
 
     def members(self, layer: int, qkv: LayerQKV) -> None:
         local, C = self.local, qkv.n_plan
@@ -328,9 +374,25 @@ class _BuildHook(LayerHook):
         q_window = qkv.q[:, :, :C].gather(2, self.slots[:, None, :, None].expand(-1, H, -1, hd))
         with local.side.run(q_window), scope("store"):
             local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
-        with scope("proxy_attention"):
-            local.prev.append(proxy_probs(self.model, self.cache, layer, local.key_rope, qkv.q[:, :, C:], qkv.meter))
+        if not self.together:
+            with scope("proxy_attention"):
+                local.prev.append(proxy_probs(self.model, self.cache, layer, local.key_rope, qkv.q[:, :, C:],
+                                              qkv.meter))
+        elif layer == self.model.spec.n_layers - 1:  # every layer's K/V is written: cluster them all at once
+            self._cluster_all(qkv.meter)
         return None
+
+    def _cluster_all(self, meter) -> None:
+        """Cluster every layer's kept window inputs in one clusterer call, then score each layer's centroid queries
+        (a pass over the layer's q weight of their own) against its keys."""
+        local, model = self.local, self.model
+        centroids, centroid_pos = self._record(0, torch.stack(self.inputs), local.keys)
+        self.inputs.clear()
+        for layer in range(model.spec.n_layers):
+            positions = centroid_pos[layer] if self.sel.config.proxy_rope else None
+            q = model.project_queries(layer, centroids[layer], positions, meter)
+            with scope("proxy_attention"):
+                local.prev.append(proxy_probs(model, self.cache, layer, local.key_rope, q, meter))
 
 
 class _PolestarMembers(MemberStrategy):

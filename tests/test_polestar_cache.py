@@ -40,6 +40,30 @@ def test_polestar_refreshing_all_clusters_every_step_equals_no_cache(family, clu
     assert out.tokens.tolist() == ref.tokens.tolist()
 
 
+def test_clustering_layers_together_equals_clustering_each_inside_its_pass(family):
+    """One clusterer call over every layer after the block start's forward gives each layer the clusters, drifts and
+    tokens that clustering it inside its own pass gives (the centroid queries differ only by the q projection's
+    rounding)."""
+    m = make_model(family, seed=4)
+    runs = {}
+    for together in (False, True):
+        records = []
+        out = _gen(m, "polestar", cluster_layers_together=together, tau_upd=0, on_step=records.append)
+        runs[together] = (out, [r.detail.clusters for r in records])
+    (each, each_clusters), (joint, joint_clusters) = runs[False], runs[True]
+    assert joint.tokens.tolist() == each.tokens.tolist()
+    assert joint.stats.proxy_query_evals == each.stats.proxy_query_evals
+    assert joint.stats.weight_bytes > each.stats.weight_bytes  # the centroid queries' own q passes
+    compared = 0
+    for a, b in zip(each_clusters, joint_clusters):
+        assert a.keys() == b.keys()
+        for layer in a:
+            assert torch.equal(a[layer].labels, b[layer].labels) and torch.equal(a[layer].counts, b[layer].counts)
+            torch.testing.assert_close(b[layer].drift, a[layer].drift, rtol=1e-4, atol=1e-6)
+            compared += 1
+    assert compared > 0
+
+
 @pytest.mark.parametrize("policy,kw", [("elastic-cache", dict(gamma=1.0)), ("dllm-cache", dict(ratio=1.0))])
 def test_adaptive_baselines_refreshing_everything_equal_no_cache(family, policy, kw):
     m = make_model(family, seed=2)

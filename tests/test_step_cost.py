@@ -56,8 +56,12 @@ def _capacities(window: int, k_mid: int, k_last: int, k_total: int) -> list[int]
     return [math.ceil(window * k_mid / k_total)] * (L - 1) + [math.ceil(window * k_last / k_total)]
 
 
-def test_polestar_cache_counters_equal_the_hand_count(llada):
-    s = _run(llada, "polestar-cache", **POLESTAR)
+Q_PASS = (D + D * D) * F32  # a layer's attention norm and q weight
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["each-layer", "layers-together"])
+def test_polestar_cache_counters_equal_the_hand_count(llada, together):
+    s = _run(llada, "polestar-cache", **POLESTAR, cluster_layers_together=together)
     assert s.nfe == G
     # block 0: window = 8 prefix columns (3 of them before column 0, invalid) + 8 suffix; 2 + 2 clusters
     # block 1: window = 8 prefix columns, no suffix (end of the sequence); 3 clusters (the authors' cap of
@@ -65,9 +69,10 @@ def test_polestar_cache_counters_equal_the_hand_count(llada):
     blocks = [(4, _capacities(16, 2, 1, 4)), (3, _capacities(8, 2, 1, 4))]  # (clusters, member capacities)
     weight = evals = probes = kv = 0
     for k, caps in blocks:
-        # the block start: a full forward, the centroids ride along each layer's q pass; per layer the keys are
-        # read twice more: once to undo their rotary embedding, once by the proxy attention
-        weight += _dense_step(T)
+        # the block start: a full forward; the centroids ride along each layer's q pass, or (clustered together
+        # after the forward) take a q pass of their own per layer; per layer the keys are read twice more: once to
+        # undo their rotary embedding, once by the proxy attention
+        weight += _dense_step(T) + (L * Q_PASS if together else 0)
         evals += B * L * T
         probes += B * L * k
         kv += L * (KV_READ + 2 * K_READ)
@@ -82,11 +87,13 @@ def test_polestar_cache_counters_equal_the_hand_count(llada):
 
 
 def test_polestar_cache_reads_each_weight_once_per_step(llada):
-    """On the same schedule, Polestar-Cache reads at most 5% more weight bytes than Fast-dLLM's dual cache (the
-    difference is the members' embedding rows at layer 0); the packet's logits share the block's LM-head pass."""
+    """On the same schedule, Polestar-Cache clustering each layer inside its pass reads at most 5% more weight bytes
+    than Fast-dLLM's dual cache (the difference is the members' embedding rows at layer 0); the packet's logits
+    share the block's LM-head pass."""
     dual = _run(llada, "fast-dllm")
     for policy in ("polestar-cache", "polestar"):
-        sparse = _run(llada, policy, **POLESTAR) if policy == "polestar-cache" else _run(llada, policy)
+        kw = dict(POLESTAR) if policy == "polestar-cache" else {}
+        sparse = _run(llada, policy, cluster_layers_together=False, **kw)
         assert sparse.nfe == dual.nfe
         assert sparse.weight_bytes <= 1.05 * dual.weight_bytes, policy
         assert sparse.weight_bytes >= dual.weight_bytes
