@@ -176,3 +176,17 @@ def test_dtype_option(tmp_path):
     assert bf(ids).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="not supported"):
         load_model(tmp_path, dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_the_official_formula_bit_for_bit(dtype):
+    """The fused fp32 path and the explicit one (fp32 statistics, cast back, then the weight) give the official
+    LLaDA / Qwen2 RMSNorm's bits."""
+    from polestar.models.layers import RMSNorm
+
+    norm = RMSNorm(48, 1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 9, 48).to(dtype) * 3
+    xf = x.float()
+    official = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(norm(x), official)
