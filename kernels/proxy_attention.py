@@ -78,11 +78,8 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     Returns:
         ``[..., T]`` fp32 probabilities (rows sum to 1, or to 0 when no entry is masked in).
     """
-    s = scores.masked_fill(~mask, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    e = (s - torch.where(torch.isfinite(m), m, 0.0)).exp()
-    den = e.sum(-1, keepdim=True)
-    return e / torch.where(den > 0, den, 1.0)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # NaN rows where nothing is masked in
+    return probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
 def reference_proxy_attention(q: Tensor, keys: Tensor, key_valid: Tensor, scale: float) -> Tensor:

@@ -153,7 +153,10 @@ class PolestarRefresh(RefreshSelector):
         if local.window.size == 0:
             return
         local.store, local.qstore = local.stores_for(self, state, model)
-        local.key_rope = None if self.config.proxy_rope else model.rotary.cos_sin(cache.positions)
+        local.key_rope = None
+        if not self.config.proxy_rope:  # the inverse rotation of the cache positions: cos and -sin
+            cos, sin = model.rotary.cos_sin(cache.positions)
+            local.key_rope = (cos, -sin)
         B, device, L = state.batch_size, state.x.device, model.spec.n_layers
         parts = window_parts(local.window, self.config.n_clusters)
         n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
@@ -222,7 +225,7 @@ class PolestarRefreshState:
 
     ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: the
     k-means seeds drawn for this block ``[L, P * B, n]`` (None for a clusterer without keys), per layer the window
-    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, sin of the cache positions for :func:`proxy_probs`
+    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, -sin of the cache positions for :func:`proxy_probs`
     (None with ``proxy_rope``); ``store``: the window's stored layer inputs and ``qstore`` their queries
     (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
     ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; ``due``: ``[B]`` rows due
@@ -265,15 +268,15 @@ class PolestarRefreshState:
 def proxy_probs(model, cache: DecodeCache, layer: int, key_rope: tuple | None, q: torch.Tensor, meter) -> torch.Tensor:
     """Centroid queries ``q [B, H, R, hd]`` scored against ``layer``'s keys → fp32 ``[B, H, R, T+1]``
     (:meth:`~polestar.models.backbone.DiffusionLM.attention_probs`). The keys are the cached (rotated) ones when
-    ``key_rope`` is None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos, sin
-    ``[B, 1, T + 1, hd]`` of the cache positions), as the authors' released code scores un-rotated centroid
+    ``key_rope`` is None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos and
+    -sin ``[B, 1, T + 1, hd]`` of the cache positions, the inverse rotation), as the authors' released code scores un-rotated centroid
     queries against un-rotated keys; that pass reads the keys once more, and ``meter`` counts it."""
     keys = cache.k[layer]
     if key_rope is not None:
         if meter is not None:
             meter.attention(keys, None)  # the pass that undoes the rotary embedding
-        cos, sin = key_rope
-        keys = Rotary.apply(keys, cos, -sin)
+        cos, neg_sin = key_rope
+        keys = Rotary.apply(keys, cos, neg_sin)
     return model.attention_probs(q, keys, cache.key_valid, meter)
 
 
@@ -301,6 +304,8 @@ class _BuildHook(LayerHook):
         window: Window = local.window
         B = state.batch_size
         self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
+        spec = model.spec
+        self.q_slots = self.slots[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
         self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
         self.parts = window_parts(window, sel.config.n_clusters)
         self.rope_pos = cache.positions.index_select(1, window.positions)
@@ -371,7 +376,7 @@ class _BuildHook(LayerHook):
     def members(self, layer: int, qkv: LayerQKV) -> None:
         local, C = self.local, qkv.n_plan
         B, H, _, hd = qkv.q.shape
-        q_window = qkv.q[:, :, :C].gather(2, self.slots[:, None, :, None].expand(-1, H, -1, hd))
+        q_window = qkv.q.gather(2, self.q_slots)  # the window's slots lie among the plan's C rows
         with local.side.run(q_window), scope("store"):
             local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
         if not self.together:
