@@ -153,9 +153,8 @@ class PolestarRefresh(RefreshSelector):
         if local.window.size == 0:
             return
         local.store, local.qstore = local.stores_for(self, state, model)
-        local.key_rope = None
-        if not self.config.proxy_rope:  # the inverse rotation of the cache positions: cos and -sin
-            cos, sin = model.rotary.cos_sin(cache.positions)
+        if local.key_rope is None and not self.config.proxy_rope:  # the inverse rotation of the cache positions
+            cos, sin = model.rotary.cos_sin(cache.positions)                # (fixed for the generation): cos, -sin
             local.key_rope = (cos, -sin)
         B, device, L = state.batch_size, state.x.device, model.spec.n_layers
         parts = window_parts(local.window, self.config.n_clusters)
@@ -220,12 +219,12 @@ class PolestarRefresh(RefreshSelector):
 
 @attrs.define
 class PolestarRefreshState:
-    """Per-generation state of :class:`PolestarRefresh`; everything but ``side`` and the store buffers is reset at
+    """Per-generation state of :class:`PolestarRefresh`; everything but ``side``, ``key_rope`` and the store buffers is reset at
     each block start.
 
     ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: the
     k-means seeds drawn for this block ``[L, P * B, n]`` (None for a clusterer without keys), per layer the window
-    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, -sin of the cache positions for :func:`proxy_probs`
+    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, -sin of the cache positions for :func:`proxy_probs`, made once per generation
     (None with ``proxy_rope``); ``store``: the window's stored layer inputs and ``qstore`` their queries
     (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
     ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; ``due``: ``[B]`` rows due
