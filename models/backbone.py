@@ -277,7 +277,7 @@ class DiffusionLM(nn.Module):
         k = parts.k(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
         v = parts.v(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
         cos, sin = self.rotary.cos_sin(pos)
-        q, k = Rotary.apply(torch.cat([q, k], dim=1), cos, sin).split([spec.n_heads, spec.n_kv_heads], dim=1)
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         self.write_kv(cache, layer, kv_index, k, v)
         meter.weight(parts.attn_norm.weight)
         for proj in (parts.q, parts.k, parts.v):
