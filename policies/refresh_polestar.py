@@ -5,7 +5,9 @@ layer, the window's input hidden states are clustered (``cluster`` stage, ``n_cl
 and suffix parts in proportion to their lengths, 5/3 for 2+1 blocks) and stored with their queries (``quant`` +
 ``offload`` stages, :class:`~polestar.policies.row_store.RowStore`); each centroid becomes a proxy query
 (``q_proj(attn_norm(c))``, RoPE at its members' mean position) that rides along the layer's q pass, and its
-attention over the layer's keys is recorded. At a sparse-update step the same happens at every layer inside the
+attention over the layer's keys is recorded. (``cluster_layers_together``, the default on a CPU: every layer's
+window is clustered in one clusterer call after the forward, and the centroid queries take a q pass of their
+own; see :class:`PolestarRefresh`.) At a sparse-update step the same happens at every layer inside the
 step's one pass (:mod:`polestar.policies.sparse_update`): the ``drift`` stage compares the proxy distributions with
 the previous update's, the members of the ``topk`` most drifting clusters (``topk_last`` at the last layer) are
 gathered into a fixed-capacity buffer (``capacity`` times the expected member count ``Nw * k / n_clusters``,
@@ -13,7 +15,7 @@ at most the window; the highest-drifting clusters first when the chosen clusters
 through the layer with the block; their outputs (the update packet) overwrite their stored inputs and K/V at the
 next layer, and centroids shift by their members' change. A member's query is its stored one: a query changes
 only when its input does, and an input changes only by a packet, which re-projects it in the next layer's pass;
-so no layer's q weight is read twice. Updates run when the previous step committed more than ``tau_upd`` tokens or
+so no layer's q weight is read twice in an update step. Updates run when the previous step committed more than ``tau_upd`` tokens or
 more than ``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the
 refreshed positions in the block's LM-head pass (:class:`~polestar.state.UpdatePacket`), which the engine hands to
 the commit rule as ``DecodeState.packet``. Per-generation state lives in a :class:`PolestarRefreshState`.
@@ -219,16 +221,17 @@ class PolestarRefresh(RefreshSelector):
 
 @attrs.define
 class PolestarRefreshState:
-    """Per-generation state of :class:`PolestarRefresh`; everything but ``side``, ``key_rope`` and the store buffers is reset at
-    each block start.
+    """Per-generation state of :class:`PolestarRefresh`; everything but ``side``, ``key_rope`` and the store buffers
+    is reset at each block start.
 
     ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: the
     k-means seeds drawn for this block ``[L, P * B, n]`` (None for a clusterer without keys), per layer the window
-    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, -sin of the cache positions for :func:`proxy_probs`, made once per generation
-    (None with ``proxy_rope``); ``store``: the window's stored layer inputs and ``qstore`` their queries
-    (:class:`RowStore` ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer, allocated once per window size in
-    ``buffers`` and reused); ``since``: ``[B]`` tokens committed since each row's last update; ``due``: ``[B]`` rows due
-    for an update at the next step; per layer ``l``:
+    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, -sin of the cache
+    positions for :func:`proxy_probs`, made once per generation (None with ``proxy_rope``); ``store``: the
+    window's stored layer inputs and ``qstore`` their queries (:class:`RowStore` ``[B, Nw, d]`` and
+    ``[B, Nw, H * hd]`` per layer, allocated once per window size in ``buffers`` and reused); ``since``: ``[B]``
+    tokens committed since each row's last update; ``due``: ``[B]`` rows due for an update at the next step; per
+    layer ``l``:
     ``centroids[l] [B, K, d]``, ``labels[l] [B, Nw]`` (-1 invalid), ``counts[l] [B, K]``,
     ``centroid_pos[l] [B, K]`` and the last update's proxy distributions ``prev[l] [B, H, K, T+1]``.
     """
@@ -268,8 +271,9 @@ def proxy_probs(model, cache: DecodeCache, layer: int, key_rope: tuple | None, q
     """Centroid queries ``q [B, H, R, hd]`` scored against ``layer``'s keys → fp32 ``[B, H, R, T+1]``
     (:meth:`~polestar.models.backbone.DiffusionLM.attention_probs`). The keys are the cached (rotated) ones when
     ``key_rope`` is None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos and
-    -sin ``[B, 1, T + 1, hd]`` of the cache positions, the inverse rotation), as the authors' released code scores un-rotated centroid
-    queries against un-rotated keys; that pass reads the keys once more, and ``meter`` counts it."""
+    -sin ``[B, 1, T + 1, hd]`` of the cache positions, the inverse rotation), as the authors' released code scores
+    un-rotated centroid queries against un-rotated keys; that pass reads the keys once more, and ``meter`` counts
+    it."""
     keys = cache.k[layer]
     if key_rope is not None:
         if meter is not None:
