@@ -263,8 +263,14 @@ def compiled_step(pipeline: Pipeline, backend: str, mode: str | None) -> Callabl
         code = decode_step.__code__.replace(co_name=f"decode_step_{len(_COMPILED_STEPS)}")
         step = types.FunctionType(code, decode_step.__globals__, code.co_name, decode_step.__defaults__,
                                   decode_step.__closure__)
-        fn = _COMPILED_STEPS[key] = torch.compile(step, fullgraph=True, mode=mode, backend=backend)
+        options = _INDUCTOR_OPTIONS if backend == "inductor" and mode is None else None  # mode and options exclude
+        fn = _COMPILED_STEPS[key] = torch.compile(step, fullgraph=True, mode=mode, backend=backend, options=options)
     return fn
+
+
+#: inductor's generated wrapper checks every extern kernel's output sizes, strides and alignment (~100 checks a
+#: step on the tiny models, ~5% of a compiled CPU step); the step's shapes are static, so they are left out
+_INDUCTOR_OPTIONS = {"size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
 
 
 # the per-step ints: symbolic from the first compile, so a new block or step does not recompile

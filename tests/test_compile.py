@@ -74,3 +74,14 @@ def test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_an
     swapped = polestar.generate(model, prompts[::-1], compile=True, **kw)  # the rows finish in swapped order
     assert swapped.tokens.tolist() == eager.tokens.flip(0).tolist()
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_step_builds_with_and_without_a_mode(mode):
+    """On a CPU the step compiles with inductor's wrapper asserts off (options); with a mode (CUDA graphs on CUDA)
+    it takes no options, as torch.compile refuses both at once. Building is lazy: nothing compiles here."""
+    from polestar.policy import assemble
+    from polestar.step import compiled_step
+
+    fn = compiled_step(assemble("fast-dllm", {"threshold?": 0.42}), "inductor", mode)
+    assert callable(fn)
