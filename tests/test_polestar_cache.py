@@ -40,15 +40,17 @@ def test_polestar_refreshing_all_clusters_every_step_equals_no_cache(family, clu
     assert out.tokens.tolist() == ref.tokens.tolist()
 
 
-def test_clustering_layers_together_equals_clustering_each_inside_its_pass(family):
+@pytest.mark.parametrize("proxy_rope", [False, True])
+def test_clustering_layers_together_equals_clustering_each_inside_its_pass(family, proxy_rope):
     """One clusterer call over every layer after the block start's forward gives each layer the clusters, drifts and
     tokens that clustering it inside its own pass gives (the centroid queries differ only by the q projection's
-    rounding)."""
+    rounding), with un-rotated centroid queries and with queries rotated at their members' mean position."""
     m = make_model(family, seed=4)
     runs = {}
     for together in (False, True):
         records = []
-        out = _gen(m, "polestar", cluster_layers_together=together, tau_upd=0, on_step=records.append)
+        out = _gen(m, "polestar", cluster_layers_together=together, tau_upd=0, proxy_rope=proxy_rope,
+                   on_step=records.append)
         runs[together] = (out, [r.detail.clusters for r in records])
     (each, each_clusters), (joint, joint_clusters) = runs[False], runs[True]
     assert joint.tokens.tolist() == each.tokens.tolist()
