@@ -37,13 +37,11 @@ class Commit(NamedTuple):
 
 
 class ClusterTrace(NamedTuple):
-    """Polestar-Cache's clusters at one layer of one sparse update: per cluster its ``drift``, member ``counts``,
-    whether its members were ``chosen`` for recompute, and its ``members`` (cache positions)."""
+    """Polestar-Cache's clusters at one layer of one sparse update: per cluster its ``drift`` and whether its
+    members were ``chosen`` for recompute (the members themselves are in ``StepTrace.refreshed``)."""
 
     drift: tuple[float, ...]
-    counts: tuple[int, ...]
     chosen: tuple[bool, ...]
-    members: tuple[tuple[int, ...], ...]
 
 
 class StepTrace(NamedTuple):
@@ -145,12 +143,8 @@ def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: 
     refreshed, clusters, similarity, triggered = {}, {}, {}, {}
     if detail is not None:
         refreshed = {layer: _positions(pos[row], valid[row]) for layer, (pos, valid) in sorted(detail.refreshed.items())}
-        for layer, c in sorted(detail.clusters.items()):
-            labels = c.labels[row].tolist()
-            window = c.positions.tolist()
-            members = tuple(tuple(p for p, lab in zip(window, labels) if lab == k) for k in range(c.drift.shape[1]))
-            clusters[layer] = ClusterTrace(tuple(c.drift[row].tolist()), tuple(c.counts[row].tolist()),
-                                           tuple(c.chosen[row].tolist()), members)
+        clusters = {layer: ClusterTrace(tuple(c.drift[row].tolist()), tuple(c.chosen[row].tolist()))
+                    for layer, c in sorted(detail.clusters.items())}
         similarity = {layer: float(s[row]) for layer, s in sorted(detail.similarity.items())}
         triggered = {layer: bool(t[row]) for layer, t in sorted(detail.triggered.items())}
     masked = tuple(record.block_start + j for j in record.masked[row].nonzero().flatten().tolist())

@@ -106,11 +106,11 @@ def trace(model, prompt: str | Sequence[int], policies: str | Sequence[str] = "f
     figures = []
     prompt_len = 0
     for name in names:
-        threshold = getattr(assemble(name, options).commit.config, "threshold", None)
-        recorder = TraceRecorder(threshold, n_layers)
-        result = generate(model, [prompt], policy=name, gen_length=gen_length, block_length=block_length,
+        pipeline = assemble(name, options)
+        recorder = TraceRecorder(getattr(pipeline.commit.config, "threshold", None), n_layers)
+        result = generate(model, [prompt], policy=pipeline, gen_length=gen_length, block_length=block_length,
                           steps=steps, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos, chat=chat,
-                          on_step=recorder, **options)
+                          on_step=recorder)
         final = result.tokens[0].tolist()
         prompt_len = result.prompt_len
         text = result.texts[0] if result.texts is not None else " ".join(map(str, final[prompt_len:]))
