@@ -193,12 +193,6 @@ def choose_dtype(cfg: dict[str, Any], entries: dict[str, TensorEntry],
                        "torch_dtype", on_disk)
 
 
-def checkpoint_dtype(path_or_name: str | Path) -> DtypeChoice:
-    """The dtype ``polestar.load(path_or_name)`` allocates without ``dtype=`` (headers only, no weights read)."""
-    directory = resolve_checkpoint(path_or_name)
-    return choose_dtype(read_config(directory), tensor_entries(directory))
-
-
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Tensor name → shape of every parameter the ``spec.family`` backbone of ``spec`` has (built on meta)."""
     with torch.device("meta"):

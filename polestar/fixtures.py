@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from polestar.models.loading import FAMILIES
+from polestar.models.loading import FAMILIES, dtype_name, expected_shapes
 from polestar.models.published import DREAM_SPECIAL_TOKENS, LLADA_ADDED_TOKENS, published
 
 
@@ -147,11 +147,8 @@ def write_published_checkpoint(
     cfg[model_info.layers_key] = n_layers
     cfg.update(width or {})
     if "torch_dtype" in cfg:
-        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    spec_fn, cls, _ = FAMILIES[family]
-    with torch.device("meta"):
-        model = cls(spec_fn(cfg))
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        cfg["torch_dtype"] = dtype_name(dtype)
+    shapes = expected_shapes(FAMILIES[family][0](cfg))
     groups: dict[str, list[str]] = {}
     for name in shapes:
         layer = next((part for part in name.split(".") if part.isdigit()), None)
