@@ -26,9 +26,8 @@ from polestar.evaluation import distributed
 def items_path(json_out: str | Path, rank: int = 0, world_size: int = 1) -> Path:
     """The items file of ``rank`` for ``--json json_out`` (``OUT.items.jsonl`` / ``OUT.items.rank<r>.jsonl``)."""
     json_out = Path(json_out)
-    stem = json_out.name[: -len(json_out.suffix)] if json_out.suffix else json_out.name
     tail = "items.jsonl" if world_size == 1 else f"items.rank{rank}.jsonl"
-    return json_out.with_name(f"{stem}.{tail}")
+    return json_out.with_name(f"{json_out.stem}.{tail}")
 
 
 def all_items_paths(json_out: str | Path) -> list[Path]:
@@ -37,7 +36,8 @@ def all_items_paths(json_out: str | Path) -> list[Path]:
     return sorted(p for p in first.parent.glob(first.name.replace(".items.jsonl", ".items*.jsonl")) if p.is_file())
 
 
-def _canonical(obj: Any) -> Any:
+def canonical(obj: Any) -> Any:
+    """``obj`` as it reads back from JSON (sorted keys; values JSON cannot hold written as strings)."""
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
 
 
@@ -114,7 +114,7 @@ def check_previous(json_out: str | Path, header: dict[str, Any], resume: bool, o
         raise ValueError("--resume and --overwrite exclude each other: --resume continues the earlier run, "
                          "--overwrite starts over")
     prev = read_previous(json_out)
-    header = _canonical(header)
+    header = canonical(header)
     if resume:
         if prev.paths and prev.header != header:
             raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
@@ -149,7 +149,7 @@ class ItemLog:
 
     def __init__(self, json_out: str | Path, header: dict[str, Any], rank: int = 0, world_size: int = 1):
         self.json_out = Path(json_out)
-        self.header = _canonical(header)
+        self.header = canonical(header)
         self.rank = rank
         self.path = items_path(json_out, rank, world_size)
 

@@ -10,13 +10,14 @@ more than the one setting being compared.
 
 from __future__ import annotations
 
-import json
 import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .item_log import canonical, settings_diff
 
 #: Manifest entries that describe the run's environment and take part in :func:`manifest_diff`
 #: (``date``, ``command`` and ``git_dirty`` do not: they differ between any two runs or checkouts in use).
@@ -26,8 +27,7 @@ COMPARED_ENVIRONMENT = ("polestar_version", "git_commit", "torch_version", "thre
 def manifest_path(json_out: str | Path) -> Path:
     """``OUT.manifest.json`` beside ``--json OUT.json``."""
     json_out = Path(json_out)
-    stem = json_out.name[: -len(json_out.suffix)] if json_out.suffix else json_out.name
-    return json_out.with_name(f"{stem}.manifest.json")
+    return json_out.with_name(f"{json_out.stem}.manifest.json")
 
 
 def _git(args: list[str], where: Path) -> str | None:
@@ -72,7 +72,7 @@ def build_manifest(settings: dict[str, Any], device: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "device": name,
         "threads": torch.get_num_threads(),
-        "settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
+        "settings": canonical(settings),
         "command": list(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -88,6 +88,5 @@ def _flat(manifest: dict[str, Any]) -> dict[str, Any]:
 def manifest_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
     """``["settings.options: {...} -> {...}", ...]``: the compared entries (environment and settings) whose
     values differ between manifests ``a`` and ``b``, leaving out the keys in ``ignore``."""
-    fa, fb = _flat(a), _flat(b)
-    keys = sorted(k for k in set(fa) | set(fb) if k not in ignore and fa.get(k) != fb.get(k))
-    return [f"{k}: {json.dumps(fa.get(k), sort_keys=True)} -> {json.dumps(fb.get(k), sort_keys=True)}" for k in keys]
+    fa, fb = ({k: v for k, v in flat.items() if k not in ignore} for flat in (_flat(a), _flat(b)))
+    return settings_diff(fa, fb)
