@@ -12,6 +12,7 @@ from typing import Any
 import polestar
 from polestar.bench.item_log import (
     ItemLog,
+    Previous,
     check_previous,
     check_writable,
     describe_settings,
@@ -294,7 +295,7 @@ def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
 def run_bench(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
               decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str | None = None,
               device: str = "cpu", show_progress: bool = True, json_out: str | None = None,
-              resume: bool = False, overwrite: bool = False) -> dict:
+              resume: bool = False, overwrite: bool = False, previous: Previous | None = None) -> dict:
     """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}},
     "manifest": {...}}`` (items and summaries carry each policy's ``label`` with its overrides).
 
@@ -304,6 +305,8 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     (:mod:`~polestar.bench.item_log`) and the manifest is written beside it first
     (:mod:`~polestar.bench.manifest`); ``resume`` reuses the batches already there; finished items from an
     earlier run without ``resume`` are a ValueError unless ``overwrite`` (which moves the old files aside).
+    ``previous``: :func:`~polestar.bench.item_log.check_previous`'s reading of those files when the caller has
+    already made it with the same settings (the CLI does, to fail before loading the model), else read here.
     """
     check_run_args(policies, n, batch_size)
     task = get_task(task_name)
@@ -321,7 +324,8 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     manifest = build_manifest({**header, "policies": policies, "labels": labels}, str(device))
     rank, world_size = distributed.init_from_env(device)
     device = distributed.local_device(device)
-    previous = check_previous(json_out, header, resume, overwrite) if json_out else None
+    if json_out and previous is None:
+        previous = check_previous(json_out, header, resume, overwrite)
     distributed.barrier()  # every rank has read the earlier files before rank 0 moves any aside
     log = ItemLog(json_out, header, rank, world_size) if json_out else None
     finished = previous.records if previous is not None else {}
@@ -496,6 +500,7 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     if args.json_out:
         outputs += [items_path(args.json_out), manifest_path(args.json_out)]
     check_writable(outputs)
+    previous = None
     if args.json_out:
         header = run_header(args.model, args.task, args.n, args.data, decoding, options, args.batch_size, args.dtype,
                             args.device)
@@ -519,7 +524,7 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
         with working("bench"):
             result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size,
                                args.data, args.dtype, args.device, show_progress=not args.quiet,
-                               json_out=args.json_out, resume=resume, overwrite=overwrite)
+                               json_out=args.json_out, resume=resume, overwrite=overwrite, previous=previous)
         rank = distributed.rank()
         distributed.barrier()  # every rank finishes before any leaves the process group
     finally:

@@ -153,14 +153,13 @@ class ItemLog:
         self.rank = rank
         self.path = items_path(json_out, rank, world_size)
 
-    def start(self, previous: Previous, overwrite: bool = False, extra: list[Path] | None = None) -> list[Path]:
+    def start(self, previous: Previous, overwrite: bool = False, extra: list[Path] | None = None) -> None:
         """Open this process's file. Rank 0 first moves the earlier files aside (``overwrite``: the items files
         and ``extra``, e.g. the old summary) or removes items files that hold no finished item; every rank waits
-        for it. A new or emptied file starts with the header. Returns the moved files' new paths."""
-        moved: list[Path] = []
+        for it. A new or emptied file starts with the header."""
         if self.rank == 0 and not previous.records:
             if overwrite:
-                moved = move_aside([*all_items_paths(self.json_out), *(extra or [])])
+                move_aside([*all_items_paths(self.json_out), *(extra or [])])
             else:
                 for path in all_items_paths(self.json_out):  # only headers (or cut lines): nothing finished
                     path.unlink()
@@ -170,7 +169,6 @@ class ItemLog:
                 f.write(json.dumps({"header": self.header}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        return moved
 
     def append(self, records: list[dict]) -> None:
         """Append one finished batch's records with one ``write`` call on an ``O_APPEND`` descriptor, then fsync."""
