@@ -310,13 +310,18 @@ _CHECKS: dict[str, Callable[[str, str], None]] = {
 }
 
 
+def _known_checks(checks: Sequence[str], where: str = "") -> None:
+    """ValueError naming the entries of ``checks`` that are not in :data:`CHECKS`."""
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"{where}unknown checks {unknown}; checks: {', '.join(CHECKS)}")
+
+
 def check_stage(kind: str, name: str, checks: Sequence[str] = CHECKS) -> None:
     """Run ``checks`` (default: all of :data:`CHECKS`) on the registered stage ``kind`` / ``name``; the first
     failure raises with a message naming the stage."""
     registry.lookup(kind, name)
-    unknown = sorted(set(checks) - set(CHECKS))
-    if unknown:
-        raise ValueError(f"unknown checks {unknown}; checks: {', '.join(CHECKS)}")
+    _known_checks(checks)
     for check in checks:
         try:
             _CHECKS[check](kind, name)
@@ -363,9 +368,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     load_plugins(config.getoption("--polestar-plugin", default=[]) or [])
     item_class = _stage_item_class()
     checks = [c for c in config.getoption("--polestar-checks").split(",") if c]
-    unknown = sorted(set(checks) - set(CHECKS))
-    if unknown:
-        raise ValueError(f"--polestar-checks: unknown checks {unknown}; checks: {', '.join(CHECKS)}")
+    _known_checks(checks, "--polestar-checks: ")
     for spec in specs:
         kind, sep, name = spec.partition(":")
         if not sep or not name:
