@@ -103,13 +103,14 @@ def check_quant_round_trip(stage, x: torch.Tensor) -> None:
     """``decode(encode(x))``: ``x``'s shape and dtype, exact for a lossless quantizer, the same twice, and
     ``from_leaves(to_leaves(...))`` decodes to the same values."""
     stage = _fresh(stage)
-    y = stage.decode(stage.encode(x))
+    packed = stage.encode(x)
+    y = stage.decode(packed)
     contracts.check_quant_round_trip(stage, x, y)
     assert torch.isfinite(y).all(), f"quant stage {stage.name!r} decoded non-finite values from finite input"
     if stage.lossless:
         assert torch.equal(y, x), f"quant stage {stage.name!r} is declared lossless but changed values"
     assert torch.equal(y, stage.decode(stage.encode(x.clone()))), f"quant stage {stage.name!r} is not deterministic"
-    leaves = stage.to_leaves(stage.encode(x))
+    leaves = stage.to_leaves(packed)
     rebuilt = stage.decode(stage.from_leaves(tuple(leaves), x.shape[-1], x.dtype))
     assert torch.equal(rebuilt, y), f"quant stage {stage.name!r}: from_leaves(to_leaves(...)) decodes differently"
 
