@@ -283,8 +283,8 @@ _DYNAMIC_INTS = ",".join(f"L['{name}']" for name in ("block_index", "block_start
 class StepRunner:
     """Runs :func:`decode_step` eagerly or compiled, and counts how each step ran.
 
-    With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor; CUDA
-    graphs on CUDA); a string names another ``torch.compile`` backend (``"eager"`` checks that the step is captured
+    With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor, its
+    wrapper generated in C++ on a CPU, :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA); a string names another ``torch.compile`` backend (``"eager"`` checks that the step is captured
     whole without generating code, as the tests do) unless a stage of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs
     eagerly and is counted so). Graphs are bounded by the distinct plan shapes and step variants of a policy (a
     block start, a window refresh, a sparse-update step, a plain step), not by the number of blocks or steps.
