@@ -268,11 +268,9 @@ def compiled_step(pipeline: Pipeline, backend: str, mode: str | None) -> Callabl
     return fn
 
 
-#: the compiled CPU step's wrapper (the code that allocates buffers and calls the kernels) is generated as C++
-#: (``cpp_wrapper``) instead of Python: a tiny-model step is ~30 small kernels and ~30 matmuls, and the Python
-#: wrapper's per-kernel cost was ~8% of it (interleaved runs: +4–8% tokens/s, same tokens, no longer compile from
-#: a cold cache); the wrapper's checks of every extern kernel's output sizes, strides and alignment (~100 a step)
-#: are left out, the step's shapes being static
+#: inductor options of the compiled CPU step: its wrapper (the code that allocates the buffers and calls the
+#: kernels) generated in C++ rather than Python, and without the checks of every extern kernel's output sizes,
+#: strides and alignment (the step's shapes are static); measured in the docs' performance page
 _INDUCTOR_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
 
 
@@ -284,8 +282,9 @@ class StepRunner:
     """Runs :func:`decode_step` eagerly or compiled, and counts how each step ran.
 
     With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor, its
-    wrapper generated in C++ on a CPU, :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA); a string names another ``torch.compile`` backend (``"eager"`` checks that the step is captured
-    whole without generating code, as the tests do) unless a stage of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs
+    wrapper generated in C++ on a CPU, :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA); a string names another
+    ``torch.compile`` backend (``"eager"`` checks that the step is captured whole without generating code, as the
+    tests do) unless a stage of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs
     eagerly and is counted so). Graphs are bounded by the distinct plan shapes and step variants of a policy (a
     block start, a window refresh, a sparse-update step, a plain step), not by the number of blocks or steps.
     ``eager_steps`` / ``compiled_steps``: how many steps ran each way.

@@ -78,7 +78,7 @@ def test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_an
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_step_builds_with_and_without_a_mode(mode):
-    """On a CPU the step compiles with inductor's wrapper asserts off (options); with a mode (CUDA graphs on CUDA)
+    """On a CPU the step compiles with inductor options (a C++ wrapper without its asserts); with a mode (CUDA graphs on CUDA)
     it takes no options, as torch.compile refuses both at once. Building is lazy: nothing compiles here."""
     from polestar.policy import assemble
     from polestar.step import compiled_step
