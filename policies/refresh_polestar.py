@@ -18,7 +18,9 @@ only when its input does, and an input changes only by a packet, which re-projec
 so no layer's q weight is read twice in an update step. Updates run when the previous step committed more than ``tau_upd`` tokens or
 more than ``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the
 refreshed positions in the block's LM-head pass (:class:`~polestar.state.UpdatePacket`), which the engine hands to
-the commit rule as ``DecodeState.packet``. Per-generation state lives in a :class:`PolestarRefreshState`.
+the commit rule as ``DecodeState.packet``; only a commit rule that reads it (Polestar-Commit) has the last layer
+recompute members at all (:meth:`PolestarRefresh.refreshes_layer`): with any other rule those rows would feed
+nothing. Per-generation state lives in a :class:`PolestarRefreshState`.
 
 Shapes: window ``Nw = (prefix_blocks + suffix_blocks) * block_length`` columns; centroids ``[B, K, d]``; proxy
 distributions ``[B, H, K, T + 1]``; drift ``[B, K]``; member buffer ``[B, M_l]`` per layer.
@@ -26,6 +28,7 @@ distributions ``[B, H, K, T + 1]``; drift ``[B, K]``; member buffer ``[B, M_l]``
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -53,6 +56,13 @@ def window_parts(window: Window, n_clusters: int) -> list[tuple[int, int, int]]:
     n_pre = window.n_prefix
     k_pre, k_post = split_clusters(n_clusters, n_pre, window.size - n_pre)
     return [(lo, hi, k) for lo, hi, k in ((0, n_pre, k_pre), (n_pre, window.size, k_post)) if k > 0]
+
+
+@functools.lru_cache(maxsize=256)
+def enabled_clusters(ks: tuple[int, ...], k_max: int, batch: int, device: torch.device) -> torch.Tensor:
+    """``[len(ks) * batch, k_max]`` bool: per window part (``ks`` its cluster counts) and row, which of the
+    ``k_max`` cluster slots the part uses. Made once per distinct shape and shared read-only."""
+    return torch.cat([(torch.arange(k_max, device=device) < k).expand(batch, -1) for k in ks])
 
 
 def pad_columns(t: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -161,7 +171,7 @@ class PolestarRefresh(RefreshSelector):
         B, device, L = state.batch_size, state.x.device, model.spec.n_layers
         parts = window_parts(local.window, self.config.n_clusters)
         n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
-        local.k_valid = torch.cat([(torch.arange(k_max, device=device) < k).expand(B, -1) for _lo, _hi, k in parts])
+        local.k_valid = enabled_clusters(tuple(k for _lo, _hi, k in parts), k_max, B, device)
         if self.clusterer.needs_keys:  # [L, P * B, n_max]: per (layer, part) one key row shared by the batch; the
             # padding columns past a part's length are invalid points, never picked whatever their key
             P = len(parts)
@@ -211,6 +221,13 @@ class PolestarRefresh(RefreshSelector):
         local.since = torch.where(due, 0, local.since + last)
         local.due = due
         return due.any()[None]
+
+    def refreshes_layer(self, layer: int, n_layers: int) -> bool:
+        """Whether a sparse update recomputes members at ``layer``: at every layer but the last, and at the last only
+        for a commit rule that reads the update packet's logits (Polestar-Commit's suffix commit). The last layer's
+        member outputs feed nothing else (no later layer stores them or re-projects their K/V), so without such a
+        rule that layer scores no proxies and picks no members."""
+        return layer < n_layers - 1 or self.packet_logits
 
     def capacities(self, window: int, n_layers: int) -> list[int]:
         """Member-buffer rows per layer (:func:`member_capacity`; ``topk_last`` at the last layer)."""
@@ -374,6 +391,8 @@ class _BuildHook(LayerHook):
             return None
         keys = None if self.local.keys is None else self.local.keys[layer : layer + 1]
         centroids, centroid_pos = self._record(layer, hw[None], keys)
+        if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
+            return None
         return ExtraRows(centroids[0], centroid_pos[0], torch.full_like(centroid_pos[0], self.cache.trash))
 
     def members(self, layer: int, qkv: LayerQKV) -> None:
@@ -383,6 +402,8 @@ class _BuildHook(LayerHook):
         with local.side.run(q_window), scope("store"):
             local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
         if not self.together:
+            if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
+                return None
             with scope("proxy_attention"):
                 local.prev.append(proxy_probs(self.model, self.cache, layer, local.key_rope, qkv.q[:, :, C:],
                                               qkv.meter))
@@ -397,6 +418,8 @@ class _BuildHook(LayerHook):
         centroids, centroid_pos = self._record(0, torch.stack(self.inputs), local.keys)
         self.inputs.clear()
         for layer in range(model.spec.n_layers):
+            if not self.sel.refreshes_layer(layer, model.spec.n_layers):
+                continue
             positions = centroid_pos[layer] if self.sel.config.proxy_rope else None
             q = model.project_queries(layer, centroids[layer], positions, meter)
             with scope("proxy_attention"):
@@ -438,17 +461,21 @@ class _PolestarMembers(MemberStrategy):
         local.centroids[layer] = local.centroids[layer] + (delta / counts).to(local.centroids[layer].dtype)
 
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
-                   meter) -> ExtraRows:
+                   meter) -> ExtraRows | None:
         local = self.local
+        self.n_kv = 0 if kv is None else kv.inputs.shape[1]
+        if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
+            return kv
         pos = local.centroid_pos[layer]
         proxies = ExtraRows(local.centroids[layer], pos, torch.full_like(pos, self.cache.trash))
-        self.n_kv = 0 if kv is None else kv.inputs.shape[1]
         if kv is None:
             return proxies
         return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(kv, proxies)))
 
-    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection:
+    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
         local, sel, model = self.local, self.sel, self.model
+        if not sel.refreshes_layer(layer, model.spec.n_layers):
+            return None
         B, H, _, hd = qkv.q.shape
         q_extra = qkv.q[:, :, qkv.n_plan:]
         if packet is not None:  # the packet rows' new queries, from this layer's pass, replace the stored ones

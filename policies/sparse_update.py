@@ -17,6 +17,7 @@ cache's per-layer hidden states for the baselines) and where members' queries co
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -48,13 +49,21 @@ def make_window(block_start: int, block_end: int, shift: int, prefix: int, suffi
     sync. The prefix always has ``prefix`` columns: the ones before column 0 stand at column 0 and are invalid, as
     left padding is, so a row's window (its size, its cluster split, the columns of its valid tokens counted from
     the block) is the same alone and in a batch with longer prompts."""
-    device = cache.key_valid.device
-    pre = torch.arange(block_start - shift - prefix, block_start - shift, device=device)
-    post = torch.arange(block_end, min(cache.length, block_end + suffix), device=device)
-    before_start = torch.cat([pre < 0, torch.zeros_like(post, dtype=torch.bool)])
-    positions = torch.cat([pre.clamp_min(0), post])
-    valid = cache.key_valid.index_select(1, positions) & ~before_start[None, :]
-    return Window(positions, valid, pre.numel())
+    positions, inside = window_columns(block_start - shift - prefix, block_start - shift, block_end,
+                                       min(cache.length, block_end + suffix), cache.key_valid.device)
+    valid = cache.key_valid.index_select(1, positions) & inside
+    return Window(positions, valid, prefix)
+
+
+@functools.lru_cache(maxsize=512)
+def window_columns(pre_lo: int, pre_hi: int, post_lo: int, post_hi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns ``[Nw]`` of a window made of ``[pre_lo, pre_hi)`` and ``[post_lo, post_hi)`` (those before column 0
+    stand at column 0) and ``[1, Nw]`` bool whether each is at or after column 0. A function of plain ints, so its
+    tensors are made once per distinct window and shared (read-only) by every generation that meets it."""
+    pre = torch.arange(pre_lo, pre_hi, device=device)
+    post = torch.arange(post_lo, post_hi, device=device)
+    inside = torch.cat([pre >= 0, torch.ones_like(post, dtype=torch.bool)])[None, :]
+    return torch.cat([pre.clamp_min(0), post]), inside
 
 
 def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int, trash: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,21 +68,24 @@ def test_polestar_cache_counters_equal_the_hand_count(llada, together):
     # n_clusters - 1 for the prefix; member capacities still count n_clusters)
     blocks = [(4, _capacities(16, 2, 1, 4)), (3, _capacities(8, 2, 1, 4))]  # (clusters, member capacities)
     weight = evals = probes = kv = 0
+    # the commit rule (top-k) reads no update packet, so the last layer scores no proxies and recomputes no members
+    # (its outputs would feed nothing): only the first S = L - 1 layers do
+    S = L - 1
     for k, caps in blocks:
-        # the block start: a full forward; the centroids ride along each layer's q pass, or (clustered together
-        # after the forward) take a q pass of their own per layer; per layer the keys are read twice more: once to
-        # undo their rotary embedding, once by the proxy attention
-        weight += _dense_step(T) + (L * Q_PASS if together else 0)
+        # the block start: a full forward; the centroids ride along each scoring layer's q pass, or (clustered
+        # together after the forward) take a q pass of their own per scoring layer; per scoring layer the keys are
+        # read twice more: once to undo their rotary embedding, once by the proxy attention
+        weight += _dense_step(T) + (S * Q_PASS if together else 0)
         evals += B * L * T
-        probes += B * L * k
-        kv += L * (KV_READ + 2 * K_READ)
+        probes += B * S * k
+        kv += L * KV_READ + S * 2 * K_READ
         # 7 update steps: block + members through the MLP; centroids and the previous layer's packet through q/k/v;
         # layer 0's members read their embedding rows
         for _ in range(BL - 1):
             weight += _dense_step(BL) + B * caps[0] * D * F32
-            evals += B * sum(BL + c for c in caps)
-            probes += B * (L * k + sum(caps[:-1]))
-            kv += L * (KV_READ + 2 * K_READ)
+            evals += B * (L * BL + sum(caps[:S]))
+            probes += B * (S * k + sum(caps[:-1]))
+            kv += L * KV_READ + S * 2 * K_READ
     assert (s.weight_bytes, s.token_layer_evals, s.proxy_query_evals, s.kv_bytes) == (weight, evals, probes, kv)
 
 

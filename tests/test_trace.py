@@ -117,13 +117,19 @@ def test_recomputed_positions_agree_with_the_records_and_the_counters(small_mode
     if fig.drift is not None:  # Polestar-Cache recomputes members of its chosen (most drifting) clusters only
         steps = [s for s in records if s.detail.clusters]
         assert list(fig.drift.steps) == [s.step for s in steps]
+        # every layer scores its clusters, the last only for a commit rule that reads its packet
+        wants_packet = assemble(name).refresh.packet_logits
+        assert fig.drift.layers == tuple(range(n_layers if wants_packet else n_layers - 1))
         for i, r in enumerate(steps):
-            for layer in range(n_layers):
+            assert tuple(r.detail.clusters) == fig.drift.layers
+            for j, layer in enumerate(fig.drift.layers):
                 c = r.detail.clusters[layer]
-                assert list(fig.drift.drift[layer][i]) == pytest.approx(c.drift[0].tolist())
-                chosen = {int(c.positions[j]) for j in range(c.labels.shape[1])
-                          if c.labels[0, j] >= 0 and c.chosen[0, c.labels[0, j]]}
+                assert list(fig.drift.drift[j][i]) == pytest.approx(c.drift[0].tolist())
+                chosen = {int(c.positions[w]) for w in range(c.labels.shape[1])
+                          if c.labels[0, w] >= 0 and c.chosen[0, c.labels[0, w]]}
                 assert set(grid.refreshed[layer][r.step]) <= chosen
+        if not wants_packet:  # the last layer's members would feed nothing: none is recomputed
+            assert not any(grid.refreshed[n_layers - 1])
     if fig.trigger is not None:  # Elastic-Cache recomputes from its trigger layer upward, nothing below it
         for step, trigger in zip(fig.trigger.steps, fig.trigger.trigger):
             for layer in range(n_layers):

@@ -58,11 +58,13 @@ class RefreshGrid(NamedTuple):
 
 class DriftSeries(NamedTuple):
     """Polestar-Cache's cluster drift: ``steps`` the sparse-update steps and ``blocks`` their blocks (the clusters
-    are re-formed at each block start); per layer ``drift[layer][i]`` the clusters' drifts at ``steps[i]`` and
-    ``chosen[layer][i]`` whether each was chosen for recompute."""
+    are re-formed at each block start); ``layers`` the layers that scored their clusters (every layer but the last
+    unless the commit rule reads the last layer's packet); per entry ``j`` of ``layers``, ``drift[j][i]`` the
+    clusters' drifts at ``steps[i]`` and ``chosen[j][i]`` whether each was chosen for recompute."""
 
     steps: tuple[int, ...]
     blocks: tuple[int, ...]
+    layers: tuple[int, ...]
     drift: tuple[tuple[tuple[float, ...], ...], ...]
     chosen: tuple[tuple[tuple[bool, ...], ...], ...]
 
@@ -113,9 +115,10 @@ def drift_series(steps: Sequence[StepTrace], n_layers: int) -> DriftSeries | Non
     update = [s for s in steps if s.clusters]
     if not update:
         return None
-    drift = tuple(tuple(s.clusters[layer].drift for s in update) for layer in range(n_layers))
-    chosen = tuple(tuple(s.clusters[layer].chosen for s in update) for layer in range(n_layers))
-    return DriftSeries(tuple(s.step for s in update), tuple(s.block for s in update), drift, chosen)
+    layers = tuple(layer for layer in range(n_layers) if all(layer in s.clusters for s in update))
+    drift = tuple(tuple(s.clusters[layer].drift for s in update) for layer in layers)
+    chosen = tuple(tuple(s.clusters[layer].chosen for s in update) for layer in layers)
+    return DriftSeries(tuple(s.step for s in update), tuple(s.block for s in update), layers, drift, chosen)
 
 
 def trigger_series(steps: Sequence[StepTrace], n_layers: int) -> TriggerSeries | None:

@@ -148,19 +148,20 @@ def _drift_color(value: float, lo: float, hi: float) -> str:
     return f"rgb({r},{g},{b})"
 
 
-def drift_svg(series: DriftSeries, layer: int) -> str:
-    """Cluster × update-step heatmap of one layer's drifts (log colour), chosen clusters dotted, a line where a
-    new block re-forms the clusters."""
+def drift_svg(series: DriftSeries, j: int) -> str:
+    """Cluster × update-step heatmap of the drifts of layer ``series.layers[j]`` (log colour), chosen clusters
+    dotted, a line where a new block re-forms the clusters."""
+    layer = series.layers[j]
     values = [d for layer_d in series.drift for step in layer_d for d in step if d > 0]
     lo = math.log10(min(values)) if values else 0.0
     hi = math.log10(max(values)) if values else 1.0
-    k = len(series.drift[layer][0])
+    k = len(series.drift[j][0])
     cell, row = 22, 14
     width, height = LEFT + len(series.steps) * cell + 10, 18 + k * row + 22
     body = [_text(LEFT - 8, 18 + c * row + 10, f"c{c}", 9, "end") for c in range(k)]
     for i, step in enumerate(series.steps):
         body.append(_text(LEFT + i * cell + cell / 2, 18 + k * row + 14, str(step), 9))
-        for c, (d, chosen) in enumerate(zip(series.drift[layer][i], series.chosen[layer][i])):
+        for c, (d, chosen) in enumerate(zip(series.drift[j][i], series.chosen[j][i])):
             body.append(_rect(LEFT + i * cell, 18 + c * row, cell - 1, row - 1, _drift_color(d, lo, hi),
                               f"layer {layer} · step {step} · cluster {c} · drift {d:.4g}" + (" · chosen" if chosen else "")))
             if chosen:
@@ -250,7 +251,7 @@ def render_html(trace) -> str:
             parts.append('<p class="note">Rows: clusters of the local window (re-formed at each block start); '
                          "columns: sparse-update steps, a line where a new block starts; colour: drift (log scale); "
                          "dot: clusters whose members were recomputed.</p>")
-            parts += [drift_svg(f.drift, layer) for layer in range(trace.n_layers)]
+            parts += [drift_svg(f.drift, j) for j in range(len(f.drift.layers))]
         if f.trigger is not None:
             parts.append(f"<h2>Trigger layer ({escape(f.policy)})</h2>")
             parts.append('<p class="note">Colour: similarity of the tracked keys\' attention with the previous '

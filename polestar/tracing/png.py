@@ -130,18 +130,20 @@ def drift_png(trace, f, path: Path) -> Path:
     import numpy as np
     from matplotlib.colors import LogNorm
 
-    series, n_layers = f.drift, trace.n_layers
+    series = f.drift
+    n_layers = len(series.layers)
     k = len(series.drift[0][0])
-    values = np.array(series.drift, dtype=float)  # [L, S, K]
+    values = np.array(series.drift, dtype=float)  # [layers, S, K]
     positive = values[values > 0]
     norm = LogNorm(positive.min() if positive.size else 1e-6, positive.max() if positive.size else 1.0)
     n = len(series.steps)
     fig = _figure(max(6.0, 0.32 * n + 2.2), (0.16 * k + 0.45) * n_layers + 0.8)
     axes = fig.subplots(n_layers, 1, squeeze=False, sharex=True)[:, 0]
     image = None
-    for layer, ax in enumerate(axes):
-        image = ax.imshow(np.maximum(values[layer].T, norm.vmin), aspect="auto", cmap="Reds", norm=norm)
-        chosen = [(i, c) for i in range(n) for c in range(k) if series.chosen[layer][i][c]]
+    for j, ax in enumerate(axes):
+        layer = series.layers[j]
+        image = ax.imshow(np.maximum(values[j].T, norm.vmin), aspect="auto", cmap="Reds", norm=norm)
+        chosen = [(i, c) for i in range(n) for c in range(k) if series.chosen[j][i][c]]
         ax.scatter([i for i, _ in chosen], [c for _, c in chosen], marker="o", s=10, color="#1c7ed6",
                    edgecolors="white", linewidths=0.6)
         for i in range(1, n):
