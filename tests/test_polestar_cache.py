@@ -144,3 +144,30 @@ def test_larger_k_selects_a_superset(batch, n_clusters, data):
         assert (cur | ~prev).all()
         assert (cur.sum(1) <= k).all() and not (cur & (counts == 0)).any()
         prev = cur
+
+
+@pytest.mark.parametrize("block_start,shift", [(2, 0), (9, 0), (9, 1), (17, 0)])
+def test_window_columns_follow_the_definition_and_are_shared_unchanged(block_start, shift):
+    """``make_window``: ``prefix`` columns before the block (those before column 0 stand at 0 and are invalid, as is
+    left padding), ``suffix`` after it clipped at the sequence end; the column tensors are made once per window and
+    shared, and a caller's ``valid`` is its own."""
+    from types import SimpleNamespace
+
+    from polestar.policies.sparse_update import make_window
+
+    T, prefix, suffix, bl = 22, 6, 4, 4
+    key_valid = torch.ones(2, T + 1, dtype=torch.bool)
+    key_valid[1, :3] = False  # row 1 is left-padded by 3
+    cache = SimpleNamespace(key_valid=key_valid, length=T)
+    block_end = block_start + bl
+    w = make_window(block_start, block_end, shift, prefix, suffix, cache)
+    pre = list(range(block_start - shift - prefix, block_start - shift))
+    post = list(range(block_end, min(T, block_end + suffix)))
+    assert w.positions.tolist() == [max(c, 0) for c in pre] + post and w.n_prefix == prefix
+    for row in range(2):
+        expected = [c >= 0 and bool(key_valid[row, max(c, 0)]) for c in pre + post]
+        assert w.valid[row].tolist() == expected
+    w.valid.fill_(False)  # a caller's mask is its own
+    again = make_window(block_start, block_end, shift, prefix, suffix, cache)
+    assert again.positions is w.positions  # the columns are cached, not rebuilt
+    assert again.valid.any()
