@@ -1,12 +1,13 @@
 """Table and plot of the accuracy–TPF frontier from a ``bench/run_frontier.sh`` directory.
 
 ``python bench/frontier_table.py runs/frontier/tiny-llada-noisy-arith --plot out.png``. Every ``*.json`` in the
-directory is one ``polestar bench --json`` run; each of its policies becomes one point, labelled by the policy and
-the ``--set`` options of the run. Rows: accuracy with its 95% Wilson interval, tokens per forward (TPF) and
-token-layer evaluations per generated token. The plot has two panels (accuracy against TPF and against evaluations
-per token), with the interval as error bars; the threshold sweeps of ``fast-dllm`` and ``parallel`` are drawn as
-curves with their thresholds placed so that no two labels overlap (:mod:`~polestar.bench.plot_labels`), every other
-run as a point with its own marker, named in the legend below the panels.
+directory (but the runs' manifests) is one ``polestar bench --json`` run; each of its policies becomes one point,
+labelled by the policy and the ``--set`` options of the run. Rows: accuracy with its 95% Wilson interval, tokens
+per forward (TPF) and token-layer evaluations per generated token. The plot has two panels (accuracy against TPF
+and against evaluations per token), with the interval as error bars; the threshold sweeps of ``fast-dllm`` and
+``parallel`` are drawn as curves with their thresholds placed so that no two labels overlap
+(:mod:`~polestar.bench.plot_labels`), every other run as a point with its own marker, named in the legend below
+the panels.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from polestar.bench.item_log import write_atomic
 from polestar.bench.plot_labels import place_labels
+from polestar.bench.run_files import result_files, run_base
 from polestar.bench.sweep_table import accuracy_cell
 
 #: markers of the single points, cycled (the colours follow matplotlib's cycle)
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", default=None, metavar="OUT.png")
     args = p.parse_args(argv)
     d = Path(args.directory)
-    runs = {f.stem: json.loads(f.read_text()) for f in sorted(d.glob("*.json"))}
+    runs = {run_base(f).name: json.loads(f.read_text()) for f in result_files(d)}  # not the runs' manifests
     if not runs:
         raise SystemExit(f"error: no bench JSON in {d}; run bench/run_frontier.sh first")
     first = next(iter(runs.values()))

@@ -2,7 +2,8 @@
 item is ever dropped silently.
 
 Beside ``--json OUT.json`` each process appends every finished batch to ``OUT.items.jsonl`` (rank ``r`` of a
-multi-process run: ``OUT.items.rank<r>.jsonl``), one flushed and fsynced write per batch, so a kill loses at most
+multi-process run: ``OUT.items.rank<r>.jsonl``; named from the whole output name, see
+:mod:`~polestar.bench.run_files`), one flushed and fsynced write per batch, so a kill loses at most
 the batch in flight. The first line of a file is a header with the run's settings (model, task, problems,
 decoding, options, batch size, dtype, device). Before any work :func:`check_previous` reads the files already
 there: ``--resume`` reuses their items when the headers equal this run's settings (else a usage error naming the
@@ -22,18 +23,7 @@ from typing import Any, NamedTuple
 
 from polestar.evaluation import distributed
 
-
-def items_path(json_out: str | Path, rank: int = 0, world_size: int = 1) -> Path:
-    """The items file of ``rank`` for ``--json json_out`` (``OUT.items.jsonl`` / ``OUT.items.rank<r>.jsonl``)."""
-    json_out = Path(json_out)
-    tail = "items.jsonl" if world_size == 1 else f"items.rank{rank}.jsonl"
-    return json_out.with_name(f"{json_out.stem}.{tail}")
-
-
-def all_items_paths(json_out: str | Path) -> list[Path]:
-    """Every items file of ``json_out`` that exists, whatever the number of ranks that wrote it."""
-    first = items_path(json_out)
-    return sorted(p for p in first.parent.glob(first.name.replace(".items.jsonl", ".items*.jsonl")) if p.is_file())
+from .run_files import all_items_paths, items_path
 
 
 def canonical(obj: Any) -> Any:

@@ -1,7 +1,7 @@
 """The manifest of a benchmark run: what produced it, written beside its results.
 
-``polestar bench --json OUT.json`` writes ``OUT.manifest.json`` before it decodes anything and copies it into
-``OUT.json`` under ``"manifest"``: the package version, the git commit of the checkout the package runs from
+``polestar bench --json OUT.json`` writes ``OUT.manifest.json`` (named from the whole output name:
+:func:`~polestar.bench.run_files.manifest_path`) before it decodes anything and copies it into ``OUT.json`` under ``"manifest"``: the package version, the git commit of the checkout the package runs from
 (when it runs from one), the torch and Python versions, the device, the number of torch threads, and every
 setting of the run (model, task, problems, decoding, ``--set`` options, batch size, dtype, policies with their
 labels). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and refuses runs that differ in
@@ -18,16 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from .item_log import canonical, settings_diff
+from .run_files import manifest_path  # noqa: F401  (re-exported: the harness and `agree` name it from here)
 
 #: Manifest entries that describe the run's environment and take part in :func:`manifest_diff`
 #: (``date``, ``command`` and ``git_dirty`` do not: they differ between any two runs or checkouts in use).
 COMPARED_ENVIRONMENT = ("polestar_version", "git_commit", "torch_version", "threads")
-
-
-def manifest_path(json_out: str | Path) -> Path:
-    """``OUT.manifest.json`` beside ``--json OUT.json``."""
-    json_out = Path(json_out)
-    return json_out.with_name(f"{json_out.stem}.manifest.json")
 
 
 def _git(args: list[str], where: Path) -> str | None:

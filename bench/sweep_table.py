@@ -1,7 +1,7 @@
 """One table from a ``bench/run_sweep.sh`` directory: ``python bench/sweep_table.py runs/sweep/tiny-llada-sudoku``.
 
 ``reference.json`` holds the reference policies (``fast-dllm``, ``elastic-cache``, ...); every other ``*.json``
-is one ``polestar-cache`` run, labelled by its file name, with its ``--set`` options. Rows give accuracy with
+is one ``polestar-cache`` run, labelled by its file name (the runs' ``*.manifest.json`` are not runs), with its ``--set`` options. Rows give accuracy with
 its 95% interval, token-layer evaluations per generated token, their ratio to ``fast-dllm``'s, and the accuracy
 difference to ``fast-dllm`` and to ``elastic-cache``.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from polestar.bench.run_files import result_files, run_base
 
 
 def sweep_rows(reference: dict, runs: dict[str, dict]) -> list[dict]:
@@ -50,8 +52,8 @@ def format_sweep(title: str, rows: list[dict]) -> str:
 def main(directory: str) -> None:
     d = Path(directory)
     reference = json.loads((d / "reference.json").read_text())
-    runs = {f.stem: json.loads(f.read_text()) for f in sorted(d.glob("*.json"), key=lambda f: f.stat().st_mtime)
-            if f.name != "reference.json"}
+    runs = {run_base(f).name: json.loads(f.read_text())
+            for f in sorted(result_files(d), key=lambda f: f.stat().st_mtime) if f.name != "reference.json"}
     title = f"{reference['model']} / {reference['task']} / n={reference['n']} / polestar-cache (pc) sweep"
     print(format_sweep(title, sweep_rows(reference, runs)))
 
