@@ -11,6 +11,7 @@ from typing import Any
 
 import polestar
 from polestar.bench.item_log import (
+    PLUGINS,
     ItemLog,
     Previous,
     check_previous,
@@ -207,9 +208,16 @@ def policy_label(policy: str, options: dict[str, Any]) -> str:
 
 def run_header(model_name: str, task_name: str, n: int, data: str | None, decoding: dict[str, Any],
                options: dict[str, Any], batch_size: int, dtype: str, device: str) -> dict[str, Any]:
-    """The settings that decide a bench run's items (the items file's header; ``--resume`` needs them equal)."""
-    return {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
-            "batch_size": batch_size, "dtype": dtype, "device": str(device)}
+    """The settings that decide a bench run's items (the items file's header; ``--resume`` needs them equal), with
+    the digest of every plugin's source file (:func:`polestar.plugins.plugin_sources`) when there are plugins."""
+    from polestar.plugins import plugin_sources
+
+    header = {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
+              "batch_size": batch_size, "dtype": dtype, "device": str(device)}
+    sources = plugin_sources()
+    if sources:
+        header[PLUGINS] = sources
+    return header
 
 
 def run_policy(model, task, problems: list[Problem], policy: str | Pipeline, options: dict[str, Any],

@@ -80,10 +80,32 @@ def read_previous(json_out: str | Path) -> Previous:
     return Previous(paths, header, records)
 
 
+#: header entry with the digests of the plugins' source files (:func:`polestar.plugins.plugin_sources`)
+PLUGINS = "plugins"
+
+
 def describe_settings(header: dict) -> str:
-    """``model=tiny-llada task=arith n=100 ...``: a header in one line."""
-    return " ".join(f"{k}={json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v}"
-                    for k, v in sorted(header.items()))
+    """``model=tiny-llada task=arith n=100 ...``: a header in one line (plugins counted, not listed)."""
+    parts = [f"{k}={json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v}"
+             for k, v in sorted(header.items()) if k != PLUGINS]
+    if header.get(PLUGINS):
+        parts.append(f"plugins={len(header[PLUGINS])} file(s)")
+    return " ".join(parts)
+
+
+def plugin_changes(old: dict | None, new: dict | None) -> list[str]:
+    """``["plugin /x/mydrift.py changed (sha256:1a2b3c4d5e6f -> sha256:9f8e7d6c5b4a)", ...]``: how the plugins of
+    two headers differ."""
+    old, new = old or {}, new or {}
+    changes = []
+    for path in sorted(set(old) | set(new)):
+        if path not in new:
+            changes.append(f"plugin {path} was loaded by the earlier run, not by this one")
+        elif path not in old:
+            changes.append(f"plugin {path} was not loaded by the earlier run")
+        elif old[path] != new[path]:
+            changes.append(f"plugin {path} changed ({old[path][:19]} -> {new[path][:19]})")
+    return changes
 
 
 def settings_diff(old: dict | None, new: dict) -> list[str]:
@@ -107,9 +129,16 @@ def check_previous(json_out: str | Path, header: dict[str, Any], resume: bool, o
     header = canonical(header)
     if resume:
         if prev.paths and prev.header != header:
-            raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
-                             f"({'; '.join(settings_diff(prev.header, header))}); rerun with the same settings, "
-                             "or pass --overwrite instead of --resume to start over (the old items are kept)")
+            settings = settings_diff(*({k: v for k, v in h.items() if k != PLUGINS} for h in (prev.header or {}, header)))
+            if settings:
+                raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
+                                 f"({'; '.join(settings)}); rerun with the same settings, or pass --overwrite "
+                                 "instead of --resume to start over (the old items are kept)")
+            changes = plugin_changes((prev.header or {}).get(PLUGINS), header.get(PLUGINS))
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise ValueError(f"--resume: {changes[0]}{more} since {prev.paths[0]} was written, so its finished items "
+                             "may come from other code; restore the plugin as it was, or pass --overwrite instead "
+                             "of --resume to start over (the old items are kept)")
         return prev
     if prev.records and not overwrite:
         raise ValueError(f"{prev.paths[0]} holds {len(prev.records)} finished items of an earlier run; pass "

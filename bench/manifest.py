@@ -2,9 +2,10 @@
 
 ``polestar bench --json OUT.json`` writes ``OUT.manifest.json`` (named from the whole output name:
 :func:`~polestar.bench.run_files.manifest_path`) before it decodes anything and copies it into ``OUT.json`` under ``"manifest"``: the package version, the git commit of the checkout the package runs from
-(when it runs from one), the torch and Python versions, the device, the number of torch threads, and every
-setting of the run (model, task, problems, decoding, ``--set`` options, batch size, dtype, policies with their
-labels). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and refuses runs that differ in
+(when it runs from one), the torch and Python versions, the device, the number of torch threads, every setting
+of the run (model, task, problems, decoding, ``--set`` options, batch size, dtype, policies with their labels) and
+the sha256 digest of every plugin's source file (``"plugins"``: stages from outside the package; not compared by
+``agree``, which compares runs with and without a plugin stage). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and refuses runs that differ in
 more than the one setting being compared.
 """
 
@@ -46,7 +47,8 @@ def package_version() -> str:
 
 
 def build_manifest(settings: dict[str, Any], device: str) -> dict[str, Any]:
-    """The manifest of a run with ``settings`` (JSON-serialisable) on ``device``."""
+    """The manifest of a run with ``settings`` (JSON-serialisable) on ``device``; the plugins' digests of the
+    settings (``settings["plugins"]``, see :func:`polestar.plugins.plugin_sources`) go under ``"plugins"``."""
     import torch
 
     import polestar
@@ -67,7 +69,8 @@ def build_manifest(settings: dict[str, Any], device: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "device": name,
         "threads": torch.get_num_threads(),
-        "settings": canonical(settings),
+        "settings": canonical({k: v for k, v in settings.items() if k != "plugins"}),
+        "plugins": canonical(settings.get("plugins", {})),
         "command": list(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -180,8 +180,9 @@ def generate(
     (``system``: optional system turn). A sequence stops at EOS or at the chat format's end-of-turn token
     (``model.text_defaults.stop_ids``). ``temperature`` None takes ``generation_config.json``'s value, else 0. ``on_step`` receives a
     :class:`~polestar.state.StepRecord` after every step (for tests and diagnostics such as ``polestar anatomy``).
-    ``check_stages=True`` checks every stage output against its contract (:mod:`polestar.contracts`; default: the
-    environment variable ``POLESTAR_CHECK_STAGES``).
+    The outputs of stages from outside the package (plugins) are checked against their kind's contract
+    (:mod:`polestar.contracts`); ``check_stages=True`` checks every stage, ``check_stages=False`` none (default:
+    the environment variable ``POLESTAR_CHECK_STAGES`` when set).
 
     ``gen_length`` / ``block_length`` None take the settings of the published checkpoint's preset when the model
     was loaded from one (recognised from its config.json, as ``polestar generate`` does), else

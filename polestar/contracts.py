@@ -5,10 +5,12 @@ drift) would otherwise surface far away (an index error in the refresh selector)
 :func:`checked` wraps the contract methods of one stage instance, and the first output that breaks the contract
 raises one :class:`StageContractError` naming the stage, the method and what it returned.
 
-Checking is off by default (it reads the device: every check is a host read, and a checked stage makes the step
-run eagerly). It is on with ``polestar.generate(..., check_stages=True)`` / ``polestar.assemble(...,
-check_stages=True)``, for every run of a process with the environment variable ``POLESTAR_CHECK_STAGES=1``, and
-always in :mod:`polestar.testing`.
+By default only stages from outside the package are checked (:func:`wanted`): a plugin file, an installed entry
+point, a class of your own, whose first NaN or wrong shape would otherwise run on silently or crash far away. The
+built-in stages are not (a check reads the device: every check is a host read, and a checked stage makes the step
+run eagerly). ``polestar.generate(..., check_stages=True)`` / ``polestar.assemble(..., check_stages=True)`` or the
+environment variable ``POLESTAR_CHECK_STAGES=1`` check every stage; ``check_stages=False`` or
+``POLESTAR_CHECK_STAGES=0`` none. :mod:`polestar.testing` always checks.
 
 The contracts (shapes as in the base classes' docstrings):
 
@@ -39,11 +41,46 @@ class StageContractError(ValueError):
     """A stage returned a value its kind's contract forbids; the message names the stage and what it returned."""
 
 
+def _switch() -> bool | None:
+    """``POLESTAR_CHECK_STAGES``: True or False when set (``0``, ``false``, ``no``: False), None when unset or empty."""
+    value = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if not value:
+        return None
+    return value not in ("0", "false", "no", "off")
+
+
 def enabled(check_stages: bool | None = None) -> bool:
-    """``check_stages`` when given, else whether ``POLESTAR_CHECK_STAGES`` is set to something other than 0."""
+    """Whether *every* stage is checked: ``check_stages`` when given, else whether ``POLESTAR_CHECK_STAGES`` is set
+    to something other than 0."""
     if check_stages is not None:
         return bool(check_stages)
-    return os.environ.get(ENV_SWITCH, "0").strip().lower() not in ("", "0", "false", "no")
+    return bool(_switch())
+
+
+def wanted(stage, check_stages: bool | None = None) -> bool:
+    """Whether ``stage``'s outputs are checked when its policy is assembled: ``check_stages`` when given, else
+    ``POLESTAR_CHECK_STAGES`` when set, else only when the stage comes from outside the package
+    (:func:`polestar.registry.is_builtin`)."""
+    if check_stages is not None:
+        return bool(check_stages)
+    switch = _switch()
+    if switch is not None:
+        return switch
+    from polestar.registry import is_builtin
+
+    return not is_builtin(type(stage))
+
+
+def origin(stage) -> str:
+    """Where a stage from outside the package is defined (``" (defined in /path/mydrift.py)"``); empty for a
+    built-in stage."""
+    from polestar.plugins import source_file
+    from polestar.registry import is_builtin
+
+    cls = type(stage)
+    if is_builtin(cls):
+        return ""
+    return f" (defined in {source_file(cls) or cls.__module__})"
 
 
 def _describe(value: Any) -> str:
@@ -56,7 +93,7 @@ def _describe(value: Any) -> str:
 
 def _fail(stage, method: str, out: Any, problem: str) -> None:
     raise StageContractError(f"{stage.kind} stage {stage.name!r} ({type(stage).__name__}.{method}) returned "
-                             f"{_describe(out)}: {problem}")
+                             f"{_describe(out)}: {problem}{origin(stage)}")
 
 
 def _tensor(stage, method: str, out: Any, shape: tuple[int, ...] | None, what: str) -> None:

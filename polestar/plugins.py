@@ -18,10 +18,16 @@ Two ways in, both of which only *import* code (a plugin registers its stages and
 
 A file is imported once per process under its stem as module name, so a second ``--plugin`` of the same file (or a
 second command in one process) reuses it.
+
+Stages from outside the package have their outputs checked against their kind's contract by default
+(:mod:`polestar.contracts`), and :func:`plugin_sources` fingerprints the source file of every plugin module and of
+every stage or policy registered from outside the package: ``polestar bench`` records them in its manifest and in
+the items log's header, so ``--resume`` refuses to mix items decoded by an edited plugin with new ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -35,6 +41,9 @@ from types import ModuleType
 ENTRY_POINT_GROUP = "polestar.plugins"
 
 _entry_points_loaded = False
+
+#: modules imported as plugins (``--plugin``, :func:`load_plugin`, entry points) in this process, by module name
+_LOADED: dict[str, ModuleType] = {}
 
 
 class PluginError(ValueError):
@@ -58,6 +67,7 @@ def load_entry_points() -> list[str]:
             obj = ep.load()
             if ep.attr is not None and callable(obj):
                 obj()
+            _remember(sys.modules.get(ep.module))
         except Exception as err:  # noqa: BLE001 - any plugin failure is reported, never raised
             dist = getattr(getattr(ep, "dist", None), "name", "?")
             warnings.warn(f"polestar plugin {ep.name!r} ({ep.value}, from {dist}) failed to load: "
@@ -107,9 +117,9 @@ def load_plugin(spec: str) -> ModuleType:
     if not spec:
         raise PluginError("--plugin needs a module name or a .py file")
     if _is_file_spec(spec) or Path(spec).is_file():
-        return _load_file(spec)
+        return _remember(_load_file(spec))
     try:
-        return importlib.import_module(spec)
+        return _remember(importlib.import_module(spec))
     except ModuleNotFoundError as err:
         if err.name is not None and (spec == err.name or spec.startswith(err.name + ".")):  # the plugin itself
             raise PluginError(f"plugin {spec}: no module named {err.name!r} (and no such .py file); give an "
@@ -128,3 +138,67 @@ def split_plugin_list(value: str) -> list[str]:
     """Plugins in one string, separated by ``os.pathsep`` (``:``), as the lm-eval model argument ``plugin`` takes
     them."""
     return [part for part in str(value).split(os.pathsep) if part.strip()]
+
+
+def _remember(module: ModuleType | None) -> ModuleType | None:
+    """Keep ``module`` among this process's plugin modules (for :func:`plugin_sources`); returns it."""
+    if module is not None:
+        _LOADED[module.__name__] = module
+    return module
+
+
+def source_file(obj) -> str | None:
+    """The source file a class or module was loaded from (resolved), or None (a notebook cell, a built-in).
+
+    For a class, the file its methods were compiled from, so a class defined by a script run as ``__main__``
+    (``runpy``, ``python mydrift.py``) names that script, not the process's main module."""
+    if isinstance(obj, ModuleType):
+        path = getattr(obj, "__file__", None)
+    else:
+        codes = [getattr(v, "__code__", None) for v in vars(obj).values()]
+        path = next((c.co_filename for c in codes if c is not None), None)
+        if path is None:
+            path = getattr(sys.modules.get(obj.__module__), "__file__", None)
+    if not path or not Path(path).is_file():
+        return None
+    return str(Path(path).resolve())
+
+
+def file_digest(path: str | Path) -> str:
+    """``sha256:<hex>`` of a file's bytes."""
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def plugin_sources() -> dict[str, str]:
+    """``{source file: "sha256:..."}`` for every plugin of this process: each module still imported that
+    :func:`load_plugin` or an entry point imported, and the file of each stage class and policy registered from
+    outside the package (:func:`polestar.registry.is_builtin`). A plugin with no source file (a notebook cell) is
+    listed under ``<module name>`` with the digest ``"no source file"``. Empty without plugins."""
+    from polestar import policy, registry
+
+    sources: dict[str, str] = {}
+
+    def add(obj, name: str) -> None:
+        path = source_file(obj)
+        if path is None:
+            sources[f"<{name}>"] = "no source file"
+        else:
+            sources[path] = file_digest(path)
+
+    for name, module in _LOADED.items():
+        if sys.modules.get(name) is module:  # a test or a notebook may drop a plugin module again
+            add(module, name)
+    for kind in registry.KINDS:
+        for name in registry.names(kind):
+            cls = registry.lookup(kind, name)
+            if not registry.is_builtin(cls):
+                add(cls, cls.__module__)
+    for name in policy.policy_names():
+        origin = policy._ORIGINS.get(name, "?")
+        if origin != registry.PACKAGE and not origin.startswith(registry.PACKAGE + "."):
+            module = sys.modules.get(origin)
+            if module is None:
+                sources.setdefault(f"<{origin}>", "no source file")
+            else:
+                add(module, origin)
+    return dict(sorted(sources.items()))

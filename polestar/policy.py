@@ -86,9 +86,10 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None, check_stages:
     only in a policy that has a ``quant`` stage, ``refresh.topk?=8`` and ``threshold?=0.8`` set the option only
     where a stage has it, and neither is an error elsewhere (``polestar bench`` passes ``--set`` this way, so one
     setting can apply to several policies). A swap of a composed kind (drift, cluster, quant, offload) that no
-    stage of the policy reads is an error naming the stages that would read it. ``check_stages`` (default: the
-    environment variable ``POLESTAR_CHECK_STAGES``) checks every stage output against its kind's contract
-    (:mod:`polestar.contracts`; the step then runs eagerly).
+    stage of the policy reads is an error naming the stages that would read it. Stages from outside the package
+    (plugins, entry points, your own classes) have every output checked against their kind's contract
+    (:mod:`polestar.contracts`; the step then runs eagerly); ``check_stages=True`` (or the environment variable
+    ``POLESTAR_CHECK_STAGES=1``) checks the built-in stages too, ``check_stages=False`` (``=0``) none.
     """
     spec = get_policy(policy)
     overrides = dict(overrides or {})
@@ -126,8 +127,8 @@ def assemble(policy: str, overrides: dict[str, Any] | None = None, check_stages:
         for kind in targets:
             options[kind][key] = value
     stages = {kind: registry.build(kind, name, **options[kind]) for kind, name in chosen.items()}
-    if contracts.enabled(check_stages):
-        stages = {kind: contracts.checked(stage) for kind, stage in stages.items()}
+    stages = {kind: contracts.checked(stage) if contracts.wanted(stage, check_stages) else stage
+              for kind, stage in stages.items()}
     for stage in stages.values():
         stage.bind(stages)
     return Pipeline(policy, stages)

@@ -52,6 +52,17 @@ def register(kind: str, name: str) -> Callable[[type[T]], type[T]]:
     return deco
 
 
+#: the package's own top-level module: a stage class defined under it is a built-in stage
+PACKAGE = "polestar"
+
+
+def is_builtin(cls: type) -> bool:
+    """Whether stage class ``cls`` ships with the package (its module is ``polestar`` or under it); a stage of a
+    plugin file, an installed entry point, a notebook or a test is not."""
+    module = getattr(cls, "__module__", None) or ""
+    return module == PACKAGE or module.startswith(PACKAGE + ".")
+
+
 def _identity(cls: type) -> str:
     """``module.qualname`` of a stage class: the same class defined again (a notebook cell or a plugin run twice)
     has the same identity and replaces the registered one; a different class under a taken name is an error."""

@@ -1,5 +1,6 @@
 """`polestar bench` keeps finished items beside --json and resumes an interrupted run to the same result."""
 
+import hashlib
 import json
 
 import pytest
@@ -91,3 +92,26 @@ def test_output_paths_checked_before_decoding(tmp_path, monkeypatch, capsys):
     check_writable([tmp_path / "ok.json", None])  # a writable path passes
     with pytest.raises(ValueError, match="folder .*missing does not exist"):
         check_writable([tmp_path / "missing" / "o.json"])
+
+
+def test_resume_refuses_an_edited_plugin_and_the_manifest_records_its_digest(tmp_path, isolated_registry, capsys):
+    from tests.test_plugins import HELLINGER
+
+    plugin = tmp_path / "hellinger_resumed.py"
+    plugin.write_text(HELLINGER.format(name="hellinger"))
+    out = tmp_path / "run.json"
+    args = ["bench", "--plugin", str(plugin), "--policies", "polestar", "--set", "drift=hellinger", "--n", "4",
+            "--batch-size", "2", "--gen-length", "16", "--block-length", "16", "--quiet", "--json", str(out)]
+    assert main(args) == 0
+    digest = "sha256:" + hashlib.sha256(plugin.read_bytes()).hexdigest()
+    manifest = json.loads((tmp_path / "run.manifest.json").read_text())
+    assert manifest["plugins"] == {str(plugin.resolve()): digest} and "plugins" not in manifest["settings"]
+    assert json.loads(items_path(out).read_text().splitlines()[0])["header"]["plugins"] == manifest["plugins"]
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0  # the same file: its items are reused
+    assert "reusing 4 finished items" in capsys.readouterr().err
+    plugin.write_text(HELLINGER.format(name="hellinger").replace("h.mean(dim=1)", "h.amax(dim=1)"))
+    assert main([*args, "--resume"]) == 2  # edited: one line, before any work
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --resume: plugin {plugin.resolve()} changed (sha256:"), err
+    assert "--overwrite" in err[0]

@@ -1,7 +1,9 @@
 """``polestar.testing`` on a stage written outside the package: a good Hellinger drift passes every check, three
 broken variants fail with a message naming the stage and the fault; the pytest plugin runs the same checks, and
-the run-time contract switch names the stage and what it returned."""
+the run-time contract checks (on by default for stages from outside the package) name the stage and what it
+returned."""
 
+import re
 import subprocess
 import sys
 
@@ -81,3 +83,50 @@ def test_pytest_plugin_runs_the_checks(tmp_path):
     assert proc.returncode == 1 and "a drift must be >= 0" in proc.stdout, proc.stdout[-2000:]
     assert "polestar-stage[drift:hellinger:contract]" in proc.stdout
 
+
+
+# ------------------------------------------------------------------ run-time checks of stages from outside the package
+
+#: a drift whose scores are NaN (its tables would look normal without the check)
+NAN_LINE = ("return h.mean(dim=1)", "return h.mean(dim=1) * float('nan')")
+BENCH = ["bench", "--policies", "polestar", "--n", "2", "--batch-size", "2", "--gen-length", "16", "--block-length",
+         "16", "--quiet"]
+
+
+def test_outside_stages_are_checked_by_default_and_built_ins_only_when_asked(tmp_path, isolated_registry,
+                                                                              monkeypatch):
+    monkeypatch.delenv(contracts.ENV_SWITCH, raising=False)
+    _plugin(tmp_path, "default", HELLINGER.format(name="hellinger"))
+    stages = polestar.assemble("polestar", {"drift": "hellinger"}).stages
+    assert "score" in vars(stages["drift"]) and stages["drift"].compilable is False  # wrapped: runs eagerly
+    assert all(not vars(s).keys() & {"plan", "select", "decode", "cluster", "read_rows"}
+               for kind, s in stages.items() if kind != "drift")  # the built-ins are their own
+    assert not any("score" in vars(s) for s in polestar.assemble("polestar", {"drift": "hellinger"},
+                                                                 check_stages=False).stages.values())
+    assert "plan" in vars(polestar.assemble("fast-dllm", check_stages=True).refresh)
+    monkeypatch.setenv(contracts.ENV_SWITCH, "1")
+    assert "plan" in vars(polestar.assemble("fast-dllm").refresh)
+
+
+@pytest.mark.parametrize("variant, broken", [
+    ("nan", "a drift must be finite; it holds NaN or inf"),
+    ("shape", "expected a floating \\[B, R\\] tensor of shape \\[2, \\d+\\]"),
+])
+def test_a_broken_plugin_stage_fails_the_run_in_one_line(tmp_path, isolated_registry, monkeypatch, capsys,
+                                                        variant, broken):
+    from polestar.cli import main
+
+    monkeypatch.delenv(contracts.ENV_SWITCH, raising=False)
+    path = tmp_path / f"hellinger_{variant}.py"
+    path.write_text("import torch\n" + HELLINGER.format(name=f"tv-{variant}").replace(
+        *(NAN_LINE if variant == "nan" else BROKEN["shape"])))
+    code = main([*BENCH, "--plugin", str(path), "--set", f"drift=tv-{variant}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 2 and err[0].startswith("[model]"), err
+    assert re.fullmatch(f"error: bench failed: StageContractError: drift stage 'tv-{variant}' "
+                        f"\\(HellingerDrift.score\\) returned a torch.float32 tensor of shape .*: {broken} "
+                        f"\\(defined in {re.escape(str(path.resolve()))}\\)", err[1]), err[1]
+    if variant == "nan":  # what the check catches: without it the NaN drift runs to a normal-looking table
+        monkeypatch.setenv(contracts.ENV_SWITCH, "0")
+        assert main([*BENCH, "--plugin", str(path), "--set", f"drift=tv-{variant}"]) == 0
+        assert "polestar[drift=tv-nan]" in capsys.readouterr().out
