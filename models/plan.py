@@ -16,13 +16,13 @@ class Plan(NamedTuple):
     values in ``[0, T]`` where ``T`` (the cache's *trash slot*) marks an unused slot. ``valid``: BoolTensor of the
     same shape, False for unused slots (their writes land in the trash slot and their outputs are ignored).
     ``target_offset``: the slot holding the hidden state that predicts the first position of the current block
-    (the engine reads ``h[:, target_offset : target_offset + block_length]``; for Dream's shifted logits the plan
-    starts one position before the block).
+    (the engine reads slots ``target_offset + arange(block_length)``; for Dream's shifted logits the plan starts
+    one position before the block): a Python int, or a 0-d long tensor where it moves with the block.
     """
 
     index: torch.Tensor
     valid: torch.Tensor
-    target_offset: int = 0
+    target_offset: int | torch.Tensor = 0
 
     @property
     def per_layer(self) -> bool:
@@ -58,10 +58,16 @@ class DecodeCache:
             if store_hidden
             else None
         )
-        am = attention_mask.to(torch.bool)
-        self.key_valid = torch.cat([am, torch.zeros(B, 1, dtype=torch.bool, device=device)], dim=1)
-        pos = (am.long().cumsum(-1) - 1).clamp_min(0)
-        self.positions = torch.cat([pos, torch.zeros(B, 1, dtype=torch.long, device=device)], dim=1)
+        self.key_valid, self.positions = _validity_and_positions(attention_mask)
+
+    def reset(self, attention_mask: torch.Tensor) -> None:
+        """Reuse this cache for a generation of the same shape with ``attention_mask [B, T]``, in place: its validity
+        and positions rewritten, K/V and stored inputs zeroed (the buffers keep their addresses)."""
+        key_valid, positions = _validity_and_positions(attention_mask)
+        self.key_valid.copy_(key_valid)
+        self.positions.copy_(positions)
+        for t in [*self.k, *self.v, *(self.hidden or [])]:
+            t.zero_()
 
     @property
     def trash(self) -> int:
@@ -72,18 +78,28 @@ class DecodeCache:
         return self.key_valid.shape[0]
 
 
+def _validity_and_positions(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_valid [B, T + 1]`` (False for padding and the trash slot) and RoPE ``positions [B, T + 1]``."""
+    B = attention_mask.shape[0]
+    device = attention_mask.device
+    am = attention_mask.to(torch.bool)
+    key_valid = torch.cat([am, torch.zeros(B, 1, dtype=torch.bool, device=device)], dim=1)
+    pos = (am.long().cumsum(-1) - 1).clamp_min(0)
+    return key_valid, torch.cat([pos, torch.zeros(B, 1, dtype=torch.long, device=device)], dim=1)
+
+
 def full_plan(batch: int, length: int, device) -> Plan:
     """Every position at every layer: the plain full forward."""
     index = torch.arange(length, device=device).expand(batch, length)
     return Plan(index, torch.ones(batch, length, dtype=torch.bool, device=device), 0)
 
 
-def span_plan(
-    batch: int, start: int, end: int, device, active: torch.Tensor | None = None, target_offset: int = 0
-) -> Plan:
-    """Positions ``[start, end)`` at every layer; rows where ``active`` ([B] bool) is False are all unused."""
-    index = torch.arange(start, end, device=device).expand(batch, end - start)
-    valid = torch.ones(batch, end - start, dtype=torch.bool, device=device)
+def span_plan(batch: int, start: int | torch.Tensor, size: int, device, active: torch.Tensor | None = None,
+              target_offset: int | torch.Tensor = 0) -> Plan:
+    """``size`` positions from ``start`` (a Python int, or a 0-d long tensor so that a new start is a new value, not
+    a new graph) at every layer; rows where ``active`` ([B] bool) is False are all unused."""
+    index = (start + torch.arange(size, device=device)).expand(batch, size)
+    valid = torch.ones(batch, size, dtype=torch.bool, device=device)
     if active is not None:
         valid = valid & active[:, None]
     return Plan(index, valid, target_offset)

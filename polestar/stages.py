@@ -1,19 +1,32 @@
 """Base classes of the stage kinds the decoding loop calls every step, and the stage lifecycle.
 
 Lifecycle (every stage kind): a stage is a frozen config plus pure methods and keeps no per-generation state on
-itself. At the start of a generation the engine calls ``init_state(state)`` and keeps the returned object (None
-for stateless stages); at each block start it calls ``begin_block(local, state)``; every per-step method of a
-refresh selector or commit rule receives that object as ``local``. A refresh selector's :meth:`RefreshSelector.allocate`
-then prepares the block on the host (buffers, random draws); everything per step runs inside one step function
-(:func:`polestar.step.decode_step`) that may be compiled whole, so per-step methods must not read the device
-(no ``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero()``) and draw no random numbers. What stages hand each other travels in typed
-fields of :class:`~polestar.state.DecodeState` (``last_commits``, ``packet``) or in typed return values
-(:class:`~polestar.state.CommitSelection`, :class:`~polestar.state.SuffixCommit`). So one assembled pipeline can
-decode several generations at once.
+itself. When a generation's buffers are allocated the engine calls ``init_state(state)`` and keeps the returned
+object (None for stateless stages): its tensors are preallocated once per shape and reused by later generations
+of that shape (``begin_generation`` resets them in place). At each block start it calls ``begin_block(local,
+state)``, and a refresh selector's :meth:`RefreshSelector.allocate` prepares the block on the host (buffers,
+random draws). Before each step, ``phase(position, state, local)`` turns the loop's position into the step's
+variant (:class:`~polestar.state.StepPhase`).
+
+Everything per step runs inside one step function (:func:`polestar.step.decode_step`) that may be compiled whole
+and replayed as a CUDA graph, so per-step methods:
+
+* read no device value on the host (no ``.item()``, ``bool(tensor)``, ``.tolist()``, ``nonzero()``) and draw no
+  random numbers;
+* read positions from ``state.clock`` (device scalars) and their variant from ``state.phase``, never a Python int
+  that changes per step;
+* write what must outlive the step into ``local``'s preallocated tensors in place (``copy_``, ``zero_``, indexed
+  writes), never by rebinding an attribute of ``local`` or ``state`` to a tensor the step computed.
+
+What stages hand each other within a step travels in typed return values and arguments
+(:class:`~polestar.state.CommitSelection`, :class:`~polestar.state.UpdatePacket`,
+:class:`~polestar.state.SuffixCommit`) or in persistent fields of :class:`~polestar.state.DecodeState`
+(``last_commits``). So one assembled pipeline can decode several generations at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +35,7 @@ from polestar.models.backbone import AttentionProbe
 from polestar.models.hooks import LayerHook as LayerHookProtocol
 from polestar.models.plan import DecodeCache, Plan
 
-from .state import CommitSelection, DecodeState, Prediction, SuffixCommit
+from .state import CommitSelection, DecodeState, Prediction, StepPosition, SuffixCommit, UpdatePacket
 
 
 class Stage:
@@ -47,8 +60,20 @@ class Stage:
         """A fresh per-generation state object for this stage (default: None, a stateless stage)."""
         return None
 
+    def begin_generation(self, local: Any, state: DecodeState, cache: DecodeCache, model) -> None:
+        """Reset ``local`` in place for a new generation (a fresh one, or a pooled one of the same shape reused for
+        new prompts, whose buffers keep their addresses). Default: nothing."""
+
     def begin_block(self, local: Any, state: DecodeState) -> None:
-        """Reset ``local`` (this stage's state object) at the start of block ``state.block_index``."""
+        """Reset ``local`` (this stage's state object) in place at the start of a block (on the host)."""
+
+    def phase(self, position: StepPosition, state: DecodeState, local: Any) -> Hashable:
+        """This stage's entry of the step's :class:`~polestar.state.StepPhase`, decided on the host from the loop's
+        :class:`~polestar.state.StepPosition`: plain hashable Python values that choose the step's shapes and
+        branches (each distinct value is one compiled graph). Inside the step the stage reads it back as
+        ``state.phase.refresh`` or ``state.phase.commit``; block and step positions are read from
+        ``state.clock`` (device scalars), never from Python ints. Default: None (every step alike)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
@@ -76,10 +101,10 @@ class RefreshSelector(Stage):
     def plan(self, state: DecodeState, cache: DecodeCache, local: Any) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def allocate(self, local: Any, state: DecodeState, cache: DecodeCache, model) -> None:
-        """Host-side preparation of a block, called after :meth:`begin_block` and outside the compiled step:
-        allocate buffers (once; reuse them across blocks) and draw random numbers from ``state.generator``.
-        Default: nothing."""
+    def allocate(self, local: Any, state: DecodeState, cache: DecodeCache, model, position: StepPosition) -> None:
+        """Host-side preparation of the block at ``position``, called after :meth:`begin_block` and outside the
+        compiled step: allocate buffers (once per shape; reuse them across blocks and generations) and draw random
+        numbers from ``state.generator`` into them. Default: nothing."""
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: Any) -> LayerHook | None:
         """A :class:`LayerHook` for this step's forward (sparse updates), or None."""
@@ -91,9 +116,9 @@ class RefreshSelector(Stage):
 
     def next_step_flags(self, state: DecodeState, local: Any) -> torch.Tensor | None:
         """Decisions for the next step, computed on the device at the end of this one: ``[F]`` bool or None. The
-        loop reads them with its termination check (no extra host read) and hands them back as
-        ``state.refresh_flags`` (Python bools) for the next step's :meth:`plan` and :meth:`hook`, so a selector
-        can skip work no row needs (Polestar: no row is due for a sparse update) by choosing the step's shape."""
+        loop reads them with its termination check (no extra host read) and hands them back in the next step's
+        :class:`~polestar.state.StepPosition` (``flags``, Python bools) to :meth:`~Stage.phase`, so a selector can
+        skip work no row needs (Polestar: no row is due for a sparse update) by choosing the step's variant."""
         return None
 
     def observe(self, state: DecodeState, plan: Plan, probe: torch.Tensor | None, cache: DecodeCache,
@@ -138,6 +163,7 @@ class CommitRule(Stage):
     def observe_probe(self, state: DecodeState, probs: torch.Tensor, local: Any) -> None:
         """Receives the probed attention ``[B, H, R, T+1]`` before ``select``."""
 
-    def suffix(self, state: DecodeState, local: Any) -> SuffixCommit | None:
-        """Commits outside the block (:class:`~polestar.state.SuffixCommit`) or None."""
+    def suffix(self, state: DecodeState, local: Any, packet: UpdatePacket | None) -> SuffixCommit | None:
+        """Commits outside the block (:class:`~polestar.state.SuffixCommit`) or None; ``packet``: this step's
+        :class:`~polestar.state.UpdatePacket` from the refresh selector's sparse update, or None."""
         return None

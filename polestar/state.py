@@ -199,21 +199,67 @@ class StepDetail:
     triggered: dict = attrs.field(factory=dict)
 
 
+class StepPosition(NamedTuple):
+    """Where the loop stands before a step, in plain ints on the host: ``block_index``, the block's columns
+    ``[block_start, block_end)``, ``step`` inside the block (0 = its first forward), ``global_step`` over the
+    generation and ``flags``, the refresh selector's flags read with the previous step's termination check (empty at
+    a block's first step). Stages turn it into their :class:`StepPhase` entry (:meth:`~polestar.stages.Stage.phase`);
+    it never enters the step itself."""
+
+    block_index: int
+    block_start: int
+    block_end: int
+    step: int
+    global_step: int
+    flags: tuple[bool, ...] = ()
+
+    @property
+    def at_block_start(self) -> bool:
+        return self.step == 0
+
+
+class StepPhase(NamedTuple):
+    """The step variant: what the stages decided on the host from the :class:`StepPosition` (plain, hashable
+    Python values). It chooses the step's shapes and branches, so each distinct phase is one compiled graph and
+    nothing else that changes from step to step is a Python value inside the step. ``refresh``: the refresh
+    selector's entry; ``commit``: the commit rule's (None for a rule whose steps are all alike)."""
+
+    refresh: object = None
+    commit: object = None
+
+
+@attrs.define
+class StepClock:
+    """The step's position as 0-d long tensors on the decoding device, so a new block or step changes tensor values,
+    never a graph: ``block_start`` the block's first column (written when a block starts), ``step`` the step inside
+    the block and ``global_step`` over the generation (both advanced in place by the step itself)."""
+
+    block_start: torch.Tensor
+    step: torch.Tensor
+    global_step: torch.Tensor
+
+    @classmethod
+    def at(cls, block_start: int, device, step: int = 0, global_step: int = 0) -> StepClock:
+        def scalar(v: int) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.long, device=device)
+
+        return cls(scalar(block_start), scalar(step), scalar(global_step))
+
+
 @attrs.define
 class DecodeState:
-    """Mutable state of one batched generation, owned by the engine and read by every stage.
+    """The decode state of one batched generation: persistent buffers, owned by the engine, read by every stage and
+    written only in place (the same tensors for the whole generation, and for the next generation of the same
+    shape).
 
-    ``x``: ``[B, T]`` tokens (prompt right-aligned, mask tokens in the generation region); the batch keeps its
-    shape for the whole generation; ``active``: ``[B]`` bool, rows that still decode in the current block
-    (finished rows are frozen, never dropped); ``block_start``/``block_end``: columns of the current block;
-    ``step``: step index inside the block (0 = the block's first forward); ``global_step``: step index over the
-    generation; ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts for the current block.
-    Typed hand-offs between stages: ``last_commits`` ``[B]`` long, tokens committed per row by the previous step
-    (engine → refresh selectors); ``packet``: this step's :class:`UpdatePacket` or None (refresh selector's
-    forward hook → commit rule); ``random``: this step's :class:`StepRandom`; ``refresh_flags``: the refresh
-    selector's flags for this step, computed on the device at the end of the previous step and read by the loop
-    with its termination check (empty at a block's first step); ``detail``: this step's :class:`StepDetail` while
-    an observer records, else None.
+    ``x``: ``[B, T]`` tokens (prompt right-aligned, mask tokens in the generation region); ``active``: ``[B]`` bool,
+    rows that still decode in the current block (finished rows are frozen, never dropped); ``clock``: the block's
+    first column and the step counters as device scalars (:class:`StepClock`); ``block_arange``: ``[bl]``
+    ``arange(block_length)``; ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts for the
+    current block; ``last_commits``: ``[B]`` long, tokens committed per row by the previous step (engine → refresh
+    selectors); ``random``: this step's :class:`StepRandom`, drawn into its buffers before the step.
+    Host-side: ``phase``, this step's :class:`StepPhase` (set by the loop before the step); ``detail``: this step's
+    :class:`StepDetail` while an observer records, else None.
     """
 
     x: torch.Tensor
@@ -225,17 +271,21 @@ class DecodeState:
     logit_shift: int
     n_layers: int
     generator: torch.Generator
-    block_index: int = 0
-    block_start: int = 0
-    block_end: int = 0
-    step: int = 0
-    global_step: int = 0
+    clock: StepClock
+    n_heads: int = 1
+    vocab_size: int = 0
     num_transfer: torch.Tensor | None = None
     last_commits: torch.Tensor | None = None
-    packet: UpdatePacket | None = None
     random: StepRandom = StepRandom()
-    refresh_flags: tuple[bool, ...] = ()
+    phase: StepPhase = StepPhase()
     detail: StepDetail | None = None
+    block_arange: torch.Tensor = attrs.field(default=None)
+
+    def __attrs_post_init__(self):
+        if self.block_arange is None:
+            self.block_arange = torch.arange(self.config.block_length, device=self.x.device)
+        if self.last_commits is None:
+            self.last_commits = torch.zeros(self.batch_size, dtype=torch.long, device=self.x.device)
 
     @property
     def length(self) -> int:
@@ -247,15 +297,14 @@ class DecodeState:
 
     @property
     def block_length(self) -> int:
-        return self.block_end - self.block_start
+        return self.config.block_length
 
-    @property
-    def at_block_start(self) -> bool:
-        """True at the block's first forward (where the cached policies refresh everything)."""
-        return self.step == 0
+    def block_columns(self) -> torch.Tensor:
+        """``[bl]`` long: the current block's columns (``clock.block_start + arange``)."""
+        return self.clock.block_start + self.block_arange
 
     def _block_is_mask(self) -> torch.Tensor:
-        return self.x[:, self.block_start : self.block_end] == self.mask_id
+        return self.x.index_select(1, self.block_columns()) == self.mask_id
 
     def block_masked(self) -> torch.Tensor:
         """``[B, bl]`` bool: mask tokens of the current block in active rows."""

@@ -1,17 +1,32 @@
-"""One decoding step as one function of tensors (gpt-fast's ``decode_one_token``), compiled whole.
+"""One decoding step as one function of the generation's persistent buffers (gpt-fast's ``decode_one_token``),
+compiled whole.
 
 :func:`decode_step` runs everything a step does: the refresh selector's plan and sparse-update hook (Polestar's
 block-start clustering and stores included), the plan's forward with the update packet and the attention probe
 riding along, prediction, the commit rule, the engine's progress guarantee, suffix-block commits, EOS bookkeeping,
 the counters and the per-block "work left" flags the loop reads. It reads nothing back to the host, so with
-``compile=True`` it is one ``torch.compile(fullgraph=True)`` graph per plan shape (one CUDA-graph replay per step
-on CUDA, ``mode="reduce-overhead"``), and the Python loop in :mod:`polestar.engine` reads one small tensor per step.
+``compile=True`` it is one ``torch.compile(fullgraph=True)`` graph per step variant, and on CUDA one CUDA-graph
+replay per step.
 
-What varies from step to step without changing a shape (the block's columns, the step inside the block, the
-global step) enters as plain int arguments that dynamo treats as symbolic from the first compile, so a new block
-or step replays a graph instead of compiling one. Random numbers (Gumbel noise, random remasking, k-means seeds)
-are drawn before the step from the generation's ``torch.Generator`` (:meth:`Generation.draw`), so compiled and
-eager decoding consume the same random stream.
+What a CUDA graph needs, by construction:
+
+* **Its inputs are the generation's persistent buffers** (:class:`Generation`: tokens, cache, stores, each stage's
+  state tensors, counters, the step counters as 0-d device tensors), allocated once per shape and reused by the
+  next generation of that shape (:func:`polestar.engine.acquire_generation`). The step writes them in place
+  (``copy_``, ``index_copy_``, ``scatter_``); no Python attribute is rebound to a tensor the step computed, so
+  nothing one step returns is read after the next one ran. On CUDA every one of them is a static address
+  (:meth:`StepRunner.mark_static`).
+* **No Python value that changes from step to step enters the step** except the :class:`~polestar.state.StepPhase`,
+  which the stages derive on the host from the loop's position and which selects the step's shapes (a block start,
+  a window refresh, a sparse-update step, a plain step, the last block's narrower window): one graph per phase.
+  Block and step positions are device scalars (:class:`~polestar.state.StepClock`), and slices at them are index
+  operations.
+* **The step returns only what the loop reads**: the "work left" flags (the loop's one host read) and the step's
+  cost in plain ints; while an observer records, also a :class:`StepView` that the loop copies before the next step.
+
+Random numbers (Gumbel noise, random remasking, k-means seeds) are drawn before the step from the generation's
+``torch.Generator`` into preallocated buffers (:meth:`Generation.draw`), so compiled and eager decoding consume the
+same random stream.
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ from .state import (
     CommitOrigins,
     DecodeState,
     Prediction,
-    StepRandom,
+    StepPhase,
     UpdatePacket,
     propose_from,
     token_log_probs,
@@ -123,12 +138,19 @@ class Totals:
         z = torch.zeros(batch, dtype=torch.long, device=device)
         return cls(z.bool(), z - 1, z.clone(), z.clone())
 
+    def reset(self) -> None:
+        """Back to :meth:`zeros`, in place."""
+        self.finished.fill_(False)
+        self.failed_at.fill_(-1)
+        self.nfe.zero_()
+        self.evals.zero_()
+
 
 @attrs.define
 class Generation:
     """Everything one generation's steps read and write: the model, the assembled pipeline, the decode state, the
     preallocated cache, each stage's per-generation state object and the :class:`Totals`; ``stops [S]`` the stop
-    ids, ``block_cols [bl]`` ``arange(block_length)``."""
+    ids. Every tensor reachable from it but the model's is a persistent buffer (:func:`persistent_tensors`)."""
 
     model: DiffusionLM
     pipeline: Pipeline
@@ -139,35 +161,77 @@ class Generation:
     commit_local: object
     totals: Totals
     stops: torch.Tensor
-    block_cols: torch.Tensor
+    pool_key: tuple | None = None
 
     def draw(self) -> None:
-        """Draw this step's random numbers from the generation's generator (outside any compiled region)."""
+        """Draw this step's random numbers from the generation's generator into the state's random buffers
+        (outside any compiled region)."""
         state, g = self.state, self.state.generator
-        gumbel = remask = None
-        B, bl = state.batch_size, state.block_length
-        if self.config.temperature > 0:
-            V = self.model.spec.vocab_size
-            gumbel = torch.rand((B, bl, V), generator=g, dtype=torch.float64, device=g.device).to(state.x.device)
-        if self.pipeline.commit.needs_random:
-            remask = torch.rand((B, bl), generator=g, device=g.device).to(state.x.device, torch.float64)
-        state.random = StepRandom(gumbel, remask)
+        gumbel, remask = state.random
+        if gumbel is not None:
+            gumbel.copy_(torch.rand(gumbel.shape, generator=g, dtype=torch.float64, device=g.device))
+        if remask is not None:
+            remask.copy_(torch.rand(remask.shape, generator=g, device=g.device))
 
 
-class StepOutput(NamedTuple):
-    """What one step hands back to the loop: ``work [num_blocks + F]`` bool, per block whether an unfinished row still
-    has masked positions there, then the refresh selector's ``F`` flags for the next step
-    (:meth:`~polestar.stages.RefreshSelector.next_step_flags`; the loop's one host read); ``plan``; ``stepped [B]`` rows that decoded;
-    ``masked [B, bl]`` the block's masked positions before the commit; ``confidence [B, bl]`` float64;
-    ``origins``: :class:`CommitOrigins`; ``cost``: the forward's :class:`StepCost` (plain ints)."""
+def persistent_tensors(gen: Generation) -> list[torch.Tensor]:
+    """Every tensor a step of ``gen`` may read or write besides the model's weights: the decode state, the cache,
+    the counters, the stop ids and every tensor held by the stages' state objects (attrs fields, lists, dicts,
+    tuples and plain objects, walked recursively). These are the step's graph inputs; on CUDA they are marked as
+    static addresses."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
 
-    work: torch.Tensor
+    def walk(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                out.append(obj)
+            return
+        if obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.nn.Module, torch.Generator,
+                                           torch.dtype, torch.device)) or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+        elif attrs.has(type(obj)):
+            for f in attrs.fields(type(obj)):
+                walk(getattr(obj, f.name))
+        elif hasattr(obj, "__dict__") and not callable(obj):
+            for v in vars(obj).values():
+                walk(v)
+
+    for part in (gen.state, gen.cache, gen.totals, gen.stops, gen.refresh_local, gen.commit_local):
+        walk(part)
+    return out
+
+
+class StepView(NamedTuple):
+    """What an observer sees of one step (returned only while one records; the loop copies it before the next
+    step): ``plan``; ``stepped [B]`` rows that decoded; ``masked [B, bl]`` the block's masked positions before the
+    commit; ``confidence [B, bl]`` float64; ``origins``: :class:`CommitOrigins`."""
+
     plan: Plan
     stepped: torch.Tensor
     masked: torch.Tensor
     confidence: torch.Tensor
     origins: CommitOrigins
+
+
+class StepOutput(NamedTuple):
+    """What one step hands back to the loop: ``work [num_blocks + F]`` bool, per block whether an unfinished row
+    still has masked positions there, then the refresh selector's ``F`` flags for the next step
+    (:meth:`~polestar.stages.RefreshSelector.next_step_flags`; the loop's one host read); ``cost``: the forward's
+    :class:`StepCost` (plain ints, fixed by the step's shapes); ``view``: a :class:`StepView` while an observer
+    records, else None."""
+
+    work: torch.Tensor
     cost: StepCost
+    view: StepView | None = None
 
 
 def block_work(x: torch.Tensor, finished: torch.Tensor, prompt_len: int, block_length: int, mask_id: int) -> torch.Tensor:
@@ -178,36 +242,33 @@ def block_work(x: torch.Tensor, finished: torch.Tensor, prompt_len: int, block_l
     return (masked & ~finished[:, None]).any(dim=0)
 
 
-def decode_step(gen: Generation, block_index: int, block_start: int, block_end: int, step: int,
-                global_step: int) -> StepOutput:
-    """One step of block ``block_index`` (columns ``[block_start, block_end)``), step ``step`` inside it,
-    ``global_step`` over the generation (see the module docstring). Mutates ``gen.state.x``, the cache, the
-    stages' state objects and ``gen.totals`` in place."""
+def decode_step(gen: Generation) -> StepOutput:
+    """One step of the current block (see the module docstring): reads ``gen.state.phase`` (the step variant) and
+    the generation's persistent buffers, and writes the tokens, the cache, the stages' state, the counters and the
+    step clock in place."""
     state, cache, model, totals = gen.state, gen.cache, gen.model, gen.totals
     refresh, commit = gen.pipeline.refresh, gen.pipeline.commit
-    state.block_index, state.block_start, state.block_end = block_index, block_start, block_end
-    state.step, state.global_step = step, global_step
-    spec, config = model.spec, gen.config
+    spec, config, clock = model.spec, gen.config, state.clock
     B = state.batch_size
     plan = refresh.plan(state, cache, gen.refresh_local)
     hook = refresh.hook(state, plan, cache, model, gen.refresh_local)
     if hook is not None and state.detail is not None:  # an observer records: the hook gathers its members too
         hook.detail = state.detail
     probe = commit.probe(state, plan) or refresh.probe(state, plan)
-    target = (plan.target_offset + gen.block_cols)[None, :].expand(B, -1)
+    target = (plan.target_offset + state.block_arange)[None, :].expand(B, -1)
     with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
         logits, probs, packet_logits, cost = block_forward(model, state.x, cache, plan, target, probe, hook)
         refresh.observe(state, plan, probs, cache, gen.refresh_local)
-    state.packet = None
+    packet = None
     if packet_logits is not None:
-        state.packet = UpdatePacket(hook.head_positions, hook.head_valid, packet_logits)
+        packet = UpdatePacket(hook.head_positions, hook.head_valid, packet_logits)
     if probs is not None:
         commit.observe_probe(state, probs, gen.commit_local)
-    stepped = state.active
+    stepped = state.active.clone()
     broken = stepped & nonfinite_rows(logits)
-    totals.failed_at.copy_(torch.where(broken, global_step, totals.failed_at))
+    totals.failed_at.copy_(torch.where(broken, clock.global_step, totals.failed_at))
     totals.finished.logical_or_(broken)
-    state.active = stepped & ~broken  # a row with non-finite logits commits nothing from here on
+    state.active.logical_and_(~broken)  # a row with non-finite logits commits nothing from here on
     masked = state.block_masked()
     with scope("commit"):
         pred = predict(logits, masked, config.temperature, state.random.gumbel, spec.mask_id)
@@ -215,10 +276,11 @@ def decode_step(gen: Generation, block_index: int, block_start: int, block_end: 
         transfer = chosen.commit & masked
     forced = forced_commits(transfer, masked, pred.confidence)
     rule_transfer, transfer = transfer, transfer | forced
-    state.last_commits = transfer.sum(dim=1)
-    block_x = state.x[:, block_start:block_end]
-    block_x.copy_(torch.where(transfer, pred.tokens, block_x))
-    extra = commit.suffix(state, gen.commit_local)
+    state.last_commits.copy_(transfer.sum(dim=1))
+    cols = state.block_columns()
+    block_x = state.x.index_select(1, cols)
+    state.x.index_copy_(1, cols, torch.where(transfer, pred.tokens, block_x))
+    extra = commit.suffix(state, gen.commit_local, packet)
     if extra is not None:
         keep = state.x.gather(1, extra.positions)
         state.x.scatter_(1, extra.positions, torch.where(extra.commit, extra.tokens, keep))
@@ -233,13 +295,18 @@ def decode_step(gen: Generation, block_index: int, block_start: int, block_end: 
         gen_x = state.x[:, P:]
         gen_x.copy_(gen_x.masked_fill(fill, spec.eos_id))
         totals.finished.logical_or_(done)
-    state.active = ~totals.finished & state.block_masked_any()
+    state.active.copy_(~totals.finished & state.block_masked_any())
     work = block_work(state.x, totals.finished, P, config.block_length, spec.mask_id)
     flags = refresh.next_step_flags(state, gen.refresh_local)
     if flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
         work = torch.cat([work, flags])
-    origins = CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra)
-    return StepOutput(work, plan, stepped, masked, pred.confidence, origins, cost)
+    clock.step.add_(1)
+    clock.global_step.add_(1)
+    view = None
+    if state.detail is not None:
+        view = StepView(plan, stepped, masked, pred.confidence,
+                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra))
+    return StepOutput(work, cost, view)
 
 
 def pipeline_compilable(pipeline: Pipeline) -> bool:
@@ -274,40 +341,47 @@ def compiled_step(pipeline: Pipeline, backend: str, mode: str | None) -> Callabl
 _INDUCTOR_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
 
 
-# the per-step ints: symbolic from the first compile, so a new block or step does not recompile
-_DYNAMIC_INTS = ",".join(f"L['{name}']" for name in ("block_index", "block_start", "block_end", "step", "global_step"))
-
-
 class StepRunner:
     """Runs :func:`decode_step` eagerly or compiled, and counts how each step ran.
 
     With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor, its
     wrapper generated in C++ on a CPU, :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA); a string names another
     ``torch.compile`` backend (``"eager"`` checks that the step is captured whole without generating code, as the
-    tests do) unless a stage of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs
-    eagerly and is counted so). Graphs are bounded by the distinct plan shapes and step variants of a policy (a
-    block start, a window refresh, a sparse-update step, a plain step), not by the number of blocks or steps.
-    ``eager_steps`` / ``compiled_steps``: how many steps ran each way.
+    tests do; a callable backend such as :class:`polestar.graph_rules.GraphProbe` is used as given) unless a stage
+    of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs eagerly and is counted so).
+    Graphs are one per :class:`~polestar.state.StepPhase` a policy meets (a block start, a window refresh, a
+    sparse-update step, a plain step, the last block's), not one per block or step.
+
+    ``static_addresses``: mark every persistent buffer of a generation as a static address before its first step
+    (:meth:`mark_static`); default: on CUDA, where CUDA graphs need it (tests turn it on elsewhere to apply the
+    CUDA rules on a CPU). ``eager_steps`` / ``compiled_steps``: how many steps ran each way.
     """
 
-    def __init__(self, compile: bool | str, device: torch.device, pipeline: Pipeline):
+    def __init__(self, compile: bool | str | Callable, device: torch.device, pipeline: Pipeline,
+                 static_addresses: bool | None = None):
         self.device = torch.device(device)
         self.compile = bool(compile) and pipeline_compilable(pipeline)
         self.eager_steps = 0
         self.compiled_steps = 0
         self._compiled = None
         self._active = False
+        self.cuda_graphs = False
+        self.static_addresses = self.device.type == "cuda" if static_addresses is None else static_addresses
         if self.compile:
-            backend = compile if isinstance(compile, str) else "inductor"
-            mode = "reduce-overhead" if self.device.type == "cuda" and backend == "inductor" else None
+            backend = "inductor" if compile is True else compile
+            self.cuda_graphs = self.device.type == "cuda" and backend == "inductor"
+            mode = "reduce-overhead" if self.cuda_graphs else None
             self._compiled = compiled_step(pipeline, backend, mode)
 
-    def mark_static(self, cache: DecodeCache) -> None:
-        """Pin the cache buffers' addresses for CUDA graphs (they are written in place, never reallocated)."""
-        if not self.compile or self.device.type != "cuda":
+    def mark_static(self, gen: Generation) -> None:
+        """Pin the addresses of every persistent buffer of ``gen`` (:func:`persistent_tensors`) for CUDA graphs:
+        they are written in place, never reallocated, and reused by the next generation of the same shape. Unguarded
+        (a buffer of another generation re-records the graph; it does not recompile it)."""
+        if not self.compile or not self.static_addresses:
             return
-        for t in [*cache.k, *cache.v, *(cache.hidden or [])]:
-            torch._dynamo.mark_static_address(t)
+        for t in persistent_tensors(gen):
+            if getattr(t, "_dynamo_static_input_type", None) is None:
+                torch._dynamo.mark_static_address(t, guard=False)
 
     @contextlib.contextmanager
     def running(self):
@@ -323,25 +397,25 @@ class StepRunner:
             finally:
                 self._active = False
 
-    def __call__(self, gen: Generation, block_index: int, block_start: int, block_end: int, step: int,
-                 global_step: int) -> StepOutput:
+    def __call__(self, gen: Generation, phase: StepPhase) -> StepOutput:
         gen.draw()
-        args = (gen, block_index, block_start, block_end, step, global_step)
+        gen.state.phase = phase
         if self._compiled is None:
             self.eager_steps += 1
-            return decode_step(*args)
+            return decode_step(gen)
         self.compiled_steps += 1
+        if self.cuda_graphs:  # nothing a previous replay returned is read any more: its outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         if self._active:  # inside a generation's `running()`: the settings are in place
-            return self._compiled(*args)
+            return self._compiled(gen)
         with self.running():
-            return self._compiled(*args)
+            return self._compiled(gen)
 
 
 @contextlib.contextmanager
 def _compile_settings():
-    """Symbolic step ints (:data:`_DYNAMIC_INTS`), everything else static: a stage option (a float threshold, an
-    int top-k) that differs between two policies stays a constant of each policy's graph, never a graph input
-    that the step would have to read back to the host."""
-    dynamo = torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False, specialize_float=True)
-    with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_INTS), dynamo:
+    """Everything static: shapes change only with the step's phase, and a stage option (a float threshold, an int
+    top-k) that differs between two policies stays a constant of each policy's graph, never a graph input that the
+    step would have to read back to the host."""
+    with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False, specialize_float=True):
         yield

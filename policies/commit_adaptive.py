@@ -49,38 +49,44 @@ class PolestarCommit(CommitRule):
         self.drift = stages["drift"]  # the policy's drift metric scores the block's attention change
 
     def init_state(self, state: DecodeState) -> PolestarCommitState:
-        return PolestarCommitState()
+        B, bl, device = state.batch_size, state.block_length, state.x.device
+        return PolestarCommitState(
+            attn=torch.zeros(B, state.n_heads, bl, state.length + 1, device=device),
+            hist=torch.zeros(B, self.config.window, bl, device=device),
+            count=torch.zeros((), dtype=torch.long, device=device),
+            delta=torch.zeros(B, bl, device=device))
 
     def begin_block(self, local: PolestarCommitState, state: DecodeState) -> None:
-        B, bl = state.batch_size, state.block_length
-        local.attn = local.delta = None
-        local.hist = torch.zeros(B, self.config.window, bl, device=state.x.device)
-        local.count = torch.zeros((), dtype=torch.long, device=state.x.device)
+        local.hist.zero_()
+        local.count.zero_()
+
+    def phase(self, position, state: DecodeState, local) -> bool:
+        """Whether the block has a previous step's attention to compare with (every step but its first)."""
+        return not position.at_block_start
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe:
-        rows = plan.target_offset + torch.arange(state.block_length, device=state.x.device)
+        rows = plan.target_offset + state.block_arange
         return AttentionProbe(state.n_layers - 1, rows[None, :].expand(state.batch_size, -1))
 
     def observe_probe(self, state: DecodeState, probs: torch.Tensor, local: PolestarCommitState) -> None:
-        """Turn this step's attention rows ``[B, H, bl, T+1]`` into drift deltas ``local.delta [B, bl]``: the drift
-        minus the mean of the (at most ``window``) drifts before it in this block, the drift itself when there are
-        none. ``hist`` keeps the last ``window`` drifts newest first, zeros where none was seen yet, so its sum over
-        the seen ones divided by their count is the mean, with no branch on the count."""
-        prev, local.attn = local.attn, probs
-        if prev is None:
-            local.delta = None
-            return
-        drift = self.drift.score(probs, prev).to(local.hist.dtype)  # [B, bl]
-        seen = local.count.clamp(max=self.config.window)
-        local.delta = drift - local.hist.sum(dim=1) / seen.clamp_min(1)
-        local.hist = torch.cat([drift[:, None], local.hist[:, :-1]], dim=1)
-        local.count = local.count + 1
+        """Keep this step's attention rows ``[B, H, bl, T+1]`` and, past the block's first step, turn their drift
+        from the previous step's into drift deltas ``local.delta [B, bl]``: the drift minus the mean of the (at most
+        ``window``) drifts before it in this block, the drift itself when there are none. ``hist`` keeps the last
+        ``window`` drifts newest first, zeros where none was seen yet, so its sum over the seen ones divided by
+        their count is the mean, with no branch on the count. All in place."""
+        if state.phase.commit:
+            drift = self.drift.score(probs, local.attn).to(local.hist.dtype)  # [B, bl]
+            seen = local.count.clamp(max=self.config.window)
+            local.delta.copy_(drift - local.hist.sum(dim=1) / seen.clamp_min(1))
+            local.hist.copy_(torch.cat([drift[:, None], local.hist[:, :-1]], dim=1))
+            local.count.add_(1)
+        local.attn.copy_(probs)
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState,
                local: PolestarCommitState) -> CommitSelection:
         c = self.config
         transfer = threshold_transfer(pred.confidence, masked, c.threshold)
-        if local.delta is None:
+        if not state.phase.commit:  # the block's first step: no drift delta yet
             return CommitSelection(transfer)
         conf = pred.confidence
         band = masked & (conf > c.min_confidence) & (conf < c.threshold)
@@ -95,13 +101,13 @@ class PolestarCommit(CommitRule):
         lower of the two only the most confident position of a row."""
         return CommitFloor(min(self.config.min_confidence, self.config.threshold), 1)
 
-    def suffix(self, state: DecodeState, local: PolestarCommitState) -> SuffixCommit | None:
+    def suffix(self, state: DecodeState, local: PolestarCommitState, packet) -> SuffixCommit | None:
         """Suffix-block commits from this step's update packet (``[B, N]`` fields), or None."""
-        packet = state.packet
         if packet is None or not self.config.suffix_commit:
             return None
         target = packet.positions + state.logit_shift
-        inside = (target >= state.block_end) & (target < state.length)
+        block_end = state.clock.block_start + state.block_length
+        inside = (target >= block_end) & (target < state.length)
         target = target.clamp(max=state.length - 1)
         tokens, conf = propose(packet.logits, state.mask_id)
         is_masked = state.x.gather(1, target) == state.mask_id
@@ -111,10 +117,11 @@ class PolestarCommit(CommitRule):
 
 @attrs.define
 class PolestarCommitState:
-    """Per-generation state of :class:`PolestarCommit`, reset at each block start: ``attn`` the previous step's
-    attention rows ``[B, H, bl, T+1]``, ``hist`` the last ``window`` drifts ``[B, window, bl]`` (newest first,
-    zeros where no drift was seen yet), ``count`` a long scalar tensor, drifts seen in this block, ``delta`` this
-    step's drift delta ``[B, bl]`` (None at a block's first step)."""
+    """Per-generation state of :class:`PolestarCommit` (preallocated, written in place; ``hist`` and ``count`` reset
+    at each block start): ``attn`` the previous step's attention rows ``[B, H, bl, T+1]``, ``hist`` the last
+    ``window`` drifts ``[B, window, bl]`` (newest first, zeros where no drift was seen yet), ``count`` a long scalar
+    tensor, drifts seen in this block, ``delta`` this step's drift delta ``[B, bl]`` (meaningful past a block's first
+    step)."""
 
     attn: torch.Tensor | None = None
     hist: torch.Tensor | None = None
@@ -177,20 +184,24 @@ class KLASSCommit(CommitRule):
         min_confidence: float = attrs.field(default=0.5, converter=float, validator=_threshold_validator)
 
     def init_state(self, state: DecodeState) -> KLASSState:
-        return KLASSState()
+        B, bl, device = state.batch_size, state.block_length, state.x.device
+        return KLASSState(torch.zeros(B, bl, state.vocab_size, device=device),
+                          torch.zeros(B, bl, dtype=torch.long, device=device))
 
-    def begin_block(self, local: KLASSState, state: DecodeState) -> None:
-        local.logp = local.streak = None
+    def phase(self, position, state: DecodeState, local) -> bool:
+        """Whether the block has a previous step's distribution to compare with (every step but its first)."""
+        return not position.at_block_start
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local: KLASSState) -> CommitSelection:
         # float32, the mask entry at the dtype's minimum: its p is 0 and its KL term 0 * 0, never inf - inf
         logp = pred.log_probs.float().clamp_min(torch.finfo(torch.float32).min)
-        if local.logp is None:
-            streak = torch.zeros_like(masked, dtype=torch.long)
-        else:
+        if state.phase.commit:
             kl = (logp.exp() * (logp - local.logp)).sum(-1).clamp_min(0.0)
             streak = torch.where(kl < self.config.kl_bound, local.streak + 1, 0)
-        local.logp, local.streak = logp, streak
+        else:
+            streak = torch.zeros_like(masked, dtype=torch.long)
+        local.logp.copy_(logp)
+        local.streak.copy_(streak)
         stable = (streak >= self.config.stable_steps) & (pred.confidence >= self.config.min_confidence)
         return CommitSelection(threshold_transfer(pred.confidence, masked, 2.0) | (masked & stable))
 
@@ -201,8 +212,9 @@ class KLASSCommit(CommitRule):
 
 @attrs.define
 class KLASSState:
-    """Per-generation state of :class:`KLASSCommit`, reset at each block start: the previous step's log-probs
-    ``logp [B, bl, V]`` and each position's count of consecutive stable steps ``streak [B, bl]``."""
+    """Per-generation state of :class:`KLASSCommit` (preallocated, written in place at every step): the previous
+    step's log-probs ``logp [B, bl, V]`` and each position's count of consecutive stable steps ``streak [B, bl]``
+    (read past a block's first step only)."""
 
-    logp: torch.Tensor | None = None
-    streak: torch.Tensor | None = None
+    logp: torch.Tensor
+    streak: torch.Tensor

@@ -48,8 +48,8 @@ class TopKCommit(CommitRule):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         scores = _REMASKING[self.config.remasking](pred, state).masked_fill(~masked, float("-inf"))
         steps = state.num_transfer.shape[1]
-        column = torch.full((state.batch_size, 1), min(state.step, steps - 1), device=masked.device)
-        k = state.num_transfer.gather(1, column)  # a gather, not an int index: the step stays symbolic
+        column = state.clock.step.clamp(max=steps - 1).expand(state.batch_size, 1)
+        k = state.num_transfer.gather(1, column)  # a gather at the device step: no Python int enters the step
         return CommitSelection(rank_descending(scores) < k)
 
     def floor(self) -> CommitFloor:

@@ -32,16 +32,26 @@ from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
-from polestar.state import DecodeState
+from polestar.state import DecodeState, StepPosition
 
 from .refresh_basic import block_plan, block_start_plan
 from .sparse_update import HiddenStore, MemberStrategy, Packet, Selection, SparseUpdate
 
 
-def _outside_block(state: DecodeState, cache: DecodeCache, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate positions ``[lo, T)`` minus the recomputed block span, valid where not padding."""
-    s = state.block_start - state.logit_shift
-    cols = torch.cat([torch.arange(min(lo, s), s), torch.arange(state.block_end, state.length)]).to(state.x.device)
+def outside_block_count(position: StepPosition, state: DecodeState, lo: int) -> int:
+    """How many positions of ``[lo, T)`` lie outside the recomputed block span ``[block_start - shift, block_end)``
+    at ``position`` (host ints)."""
+    s = position.block_start - state.logit_shift
+    return (s - min(lo, s)) + (state.length - position.block_end)
+
+
+def _outside_block(state: DecodeState, cache: DecodeCache, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` candidate positions ``[B, n]`` of ``[lo, T)`` minus the recomputed block span (``n`` from
+    :func:`outside_block_count`; the block's start from the device clock), valid where not padding."""
+    shift = state.logit_shift
+    s = state.clock.block_start - shift
+    cols = torch.minimum(s, torch.full_like(s, lo)) + torch.arange(n, device=state.x.device)
+    cols = torch.where(cols < s, cols, cols + state.block_length + shift)
     cand = cols[None, :].expand(state.batch_size, -1)
     return cand, cache.key_valid.gather(1, cand) & state.active[:, None]
 
@@ -81,19 +91,21 @@ class ElasticRefresh(RefreshSelector):
     needs_hidden = True
 
     def init_state(self, state: DecodeState) -> ElasticState:
-        return ElasticState()
+        B, L, k, device = state.batch_size, state.n_layers, self.config.track_num, state.x.device
+        return ElasticState(torch.zeros(L, B, k, dtype=torch.long, device=device),
+                            torch.zeros(L, B, state.n_heads, k, state.length + 1, device=device))
 
-    def begin_block(self, local: ElasticState, state: DecodeState) -> None:
-        local.tracked.clear()
-        local.prev.clear()
+    def phase(self, position: StepPosition, state: DecodeState, local: ElasticState):
+        """0 at a block start, else the number of candidate positions outside the block."""
+        return 0 if position.at_block_start else outside_block_count(position, state, 0)
 
     def plan(self, state: DecodeState, cache: DecodeCache, local: ElasticState) -> Plan:
-        if state.at_block_start:
+        if state.phase.refresh == 0:
             return block_start_plan(state)
         return block_plan(state)
 
     def hook(self, state, plan, cache, model, local: ElasticState):
-        if state.at_block_start:  # the block start's full forward picks the tracked keys
+        if state.phase.refresh == 0:  # the block start's full forward picks the tracked keys
             return _ElasticBuild(self, state, cache, model, local, plan.target_offset)
         strategy = _ElasticMembers(self, state, cache, model, local, plan.target_offset)
         return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
@@ -101,11 +113,12 @@ class ElasticRefresh(RefreshSelector):
 
 @attrs.define
 class ElasticState:
-    """Per-generation state of :class:`ElasticRefresh`, reset at each block start: per layer the tracked keys
-    ``tracked[l] [B, track_num]`` and their previous attention rows ``prev[l] [B, H, track_num, T+1]``."""
+    """Per-generation state of :class:`ElasticRefresh` (preallocated, rewritten in place at each block start): per
+    layer the tracked keys ``tracked [L, B, track_num]`` and their previous attention rows
+    ``prev [L, B, H, track_num, T+1]``."""
 
-    tracked: list = attrs.field(factory=list)
-    prev: dict = attrs.field(factory=dict)
+    tracked: torch.Tensor
+    prev: torch.Tensor
 
 
 class _ElasticBuild(LayerHook):
@@ -123,15 +136,15 @@ class _ElasticBuild(LayerHook):
                                  self.sel.config.track_num)
         H, hd = qkv.q.shape[1], qkv.q.shape[3]
         q_tracked = qkv.q.gather(2, tracked[:, None, :, None].expand(-1, H, -1, hd))
-        local.tracked.append(tracked)
-        local.prev[layer] = self.model.attention_probs(q_tracked, cache.k[layer], cache.key_valid, qkv.meter)
+        local.tracked[layer].copy_(tracked)
+        local.prev[layer].copy_(self.model.attention_probs(q_tracked, cache.k[layer], cache.key_valid, qkv.meter))
         return None
 
 
 def _most_attended(model, cache: DecodeCache, layer: int, qkv: LayerQKV, block_slots: int, bl: int, k: int):
     """The ``k`` keys ``[B, k]`` the block's queries (plan slots ``[block_slots, block_slots + bl)``) attend to most,
     summed over heads and queries."""
-    q_block = qkv.q[:, :, block_slots : block_slots + bl]
+    q_block = qkv.q.index_select(2, block_slots + torch.arange(bl, device=qkv.q.device))
     mass = model.attention_probs(q_block, cache.k[layer], cache.key_valid, qkv.meter).sum(dim=(1, 2))  # [B, T+1]
     return mass[:, : cache.length].topk(k, dim=1).indices
 
@@ -149,7 +162,7 @@ class _ElasticMembers(_CandidateStrategy):
     """
 
     def __init__(self, sel, state, cache, model, local: ElasticState, block_slots: int):
-        cand, valid = _outside_block(state, cache, 0)
+        cand, valid = _outside_block(state, cache, 0, state.phase.refresh)
         super().__init__(state, cache, model, cand, valid)
         self.sel, self.local, self.block_slots = sel, local, block_slots
         self.triggered = torch.zeros(state.batch_size, dtype=torch.bool, device=state.x.device)
@@ -178,9 +191,9 @@ class _ElasticMembers(_CandidateStrategy):
         if self.state.detail is not None:  # an observer records: the similarity and the rows triggered so far
             self.state.detail.similarity[layer] = sim
             self.state.detail.triggered[layer] = self.triggered
-        local.prev[layer] = now
-        local.tracked[layer] = _most_attended(model, cache, layer, qkv, self.block_slots, self.state.block_length,
-                                              self.sel.config.track_num)
+        local.prev[layer].copy_(now)
+        local.tracked[layer].copy_(_most_attended(model, cache, layer, qkv, self.block_slots, self.state.block_length,
+                                                  self.sel.config.track_num))
         # a row triggered here or below is recomputed from this layer upward, whatever the other rows do
         valid = self.triggered[:, None] & self.cand_valid
         rows = torch.where(valid, self.cand, self.trash)
@@ -199,23 +212,32 @@ class DLLMCacheRefresh(RefreshSelector):
 
     needs_hidden = True
 
-    def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
-        g = state.global_step
-        if state.at_block_start or g % self.config.prompt_interval == 0:
-            return block_start_plan(state)
+    def phase(self, position: StepPosition, state: DecodeState, local=None) -> tuple[str, int]:
+        """``("full", 0)``, ``("response", 0)`` (the response refresh), ``("sparse", n)`` with ``n`` candidate
+        positions outside the block, or ``("block", 0)`` when there are none."""
+        g = position.global_step
+        if position.at_block_start or g % self.config.prompt_interval == 0:
+            return "full", 0
         if g % self.config.response_interval == 0:
+            return "response", 0
+        n = outside_block_count(position, state, state.prompt_len)
+        return ("sparse", n) if n > 0 else ("block", 0)
+
+    def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
+        kind = state.phase.refresh[0]
+        if kind == "full":
+            return block_start_plan(state)
+        if kind == "response":
             lo = state.prompt_len - state.logit_shift
-            return span_plan(state.batch_size, lo, state.length, state.x.device, state.active,
-                             state.block_start - state.logit_shift - lo)
+            return span_plan(state.batch_size, lo, state.length - lo, state.x.device, state.active,
+                             state.clock.block_start - state.logit_shift - lo)
         return block_plan(state)
 
     def hook(self, state, plan, cache, model, local=None):
-        g = state.global_step
-        if state.at_block_start or g % self.config.prompt_interval == 0 or g % self.config.response_interval == 0:
+        kind, n = state.phase.refresh
+        if kind != "sparse":
             return None
-        cand, valid = _outside_block(state, cache, state.prompt_len)
-        if cand.shape[1] == 0:
-            return None
+        cand, valid = _outside_block(state, cache, state.prompt_len, n)
         return SparseUpdate(_ValueChangeMembers(state, cache, model, cand, valid, self.config.ratio), model, cache,
                             state.batch_size, state.x.device)
 

@@ -12,22 +12,26 @@ import attrs
 from polestar.models.plan import DecodeCache, Plan, full_plan, span_plan
 from polestar.registry import register
 from polestar.stages import RefreshSelector
-from polestar.state import DecodeState
+from polestar.state import DecodeState, StepPosition
 
 
 def block_start_plan(state: DecodeState) -> Plan:
-    """All positions at every layer; the block's predicting hidden states start at ``block_start - shift``."""
+    """All positions at every layer; the block's predicting hidden states start at ``block_start - shift``
+    (a device scalar)."""
     plan = full_plan(state.batch_size, state.length, state.x.device)
-    return Plan(plan.index, plan.valid & state.active[:, None], state.block_start - state.logit_shift)
+    return Plan(plan.index, plan.valid & state.active[:, None], state.clock.block_start - state.logit_shift)
 
 
-def _full_refresh_due(state: DecodeState, interval: int) -> bool:
-    return state.at_block_start or (interval > 0 and state.step % interval == 0)
+def full_refresh_due(position: StepPosition, interval: int) -> bool:
+    """Whether the step at ``position`` refreshes everything: a block's first step, and every ``interval``-th step
+    inside a block (``interval`` 0: never)."""
+    return position.at_block_start or (interval > 0 and position.step % interval == 0)
 
 
 def block_plan(state: DecodeState) -> Plan:
     """Only the block (from one position early for Dream's shifted logits), rows of finished sequences unused."""
-    return span_plan(state.batch_size, state.block_start - state.logit_shift, state.block_end, state.x.device,
+    shift = state.logit_shift
+    return span_plan(state.batch_size, state.clock.block_start - shift, state.block_length + shift, state.x.device,
                      state.active)
 
 
@@ -47,7 +51,8 @@ class FullRefresh(RefreshSelector):
 class PrefixRefresh(RefreshSelector):
     """Fast-dLLM prefix cache: full refresh at block start, then positions ``[block_start - shift, T)``.
 
-    Plan shape ``[B, T - block_start + shift]``; prefix K/V are reused within the block.
+    Plan shape ``[B, T - block_start + shift]``; prefix K/V are reused within the block. Phase: 0 at a full
+    refresh, else the span's length (its shape: one graph per block).
     """
 
     @attrs.frozen
@@ -57,17 +62,24 @@ class PrefixRefresh(RefreshSelector):
 
         refresh_interval: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
+    def phase(self, position: StepPosition, state: DecodeState, local=None) -> int:
+        if full_refresh_due(position, self.config.refresh_interval):
+            return 0
+        return state.length - position.block_start + state.logit_shift
+
     def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
-        if _full_refresh_due(state, self.config.refresh_interval):
+        size = state.phase.refresh
+        if size == 0:
             return block_start_plan(state)
-        return span_plan(state.batch_size, state.block_start - state.logit_shift, state.length, state.x.device, state.active)
+        return span_plan(state.batch_size, state.length - size, size, state.x.device, state.active)
 
 
 @register("refresh", "dual")
 class DualRefresh(RefreshSelector):
     """Fast-dLLM dual cache: full refresh at block start, then only the block ``[block_start - shift, block_end)``.
 
-    Plan shape ``[B, block_length + shift]``; prefix and suffix K/V are reused within the block.
+    Plan shape ``[B, block_length + shift]``; prefix and suffix K/V are reused within the block. Phase: whether
+    the step refreshes everything.
     """
 
     @attrs.frozen
@@ -77,7 +89,10 @@ class DualRefresh(RefreshSelector):
 
         refresh_interval: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
+    def phase(self, position: StepPosition, state: DecodeState, local=None) -> bool:
+        return full_refresh_due(position, self.config.refresh_interval)
+
     def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
-        if _full_refresh_due(state, self.config.refresh_interval):
+        if state.phase.refresh:
             return block_start_plan(state)
         return block_plan(state)

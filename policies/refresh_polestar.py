@@ -28,8 +28,8 @@ distributions ``[B, H, K, T + 1]``; drift ``[B, K]``; member buffer ``[B, M_l]``
 
 from __future__ import annotations
 
-import functools
 import math
+from typing import NamedTuple
 
 import attrs
 import torch
@@ -42,7 +42,7 @@ from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.profiling import scope
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
-from polestar.state import ClusterDrift, DecodeState
+from polestar.state import ClusterDrift, DecodeState, StepPosition
 from polestar.streams import SideStream
 
 from .refresh_basic import block_plan, block_start_plan
@@ -50,18 +50,21 @@ from .row_store import RowStore
 from .sparse_update import MemberStrategy, Packet, Selection, SparseUpdate, Window, make_window, to_capacity
 
 
+def window_parts_of(n_prefix: int, size: int, n_clusters: int) -> list[tuple[int, int, int]]:
+    """``(lo, hi, k)``: column range and cluster count of a window's prefix and suffix parts (``n_prefix`` of its
+    ``size`` columns before the block; empty parts dropped)."""
+    k_pre, k_post = split_clusters(n_clusters, n_prefix, size - n_prefix)
+    return [(lo, hi, k) for lo, hi, k in ((0, n_prefix, k_pre), (n_prefix, size, k_post)) if k > 0]
+
+
 def window_parts(window: Window, n_clusters: int) -> list[tuple[int, int, int]]:
-    """``(lo, hi, k)``: column range and cluster count of the window's prefix and suffix parts (empty parts
-    dropped)."""
-    n_pre = window.n_prefix
-    k_pre, k_post = split_clusters(n_clusters, n_pre, window.size - n_pre)
-    return [(lo, hi, k) for lo, hi, k in ((0, n_pre, k_pre), (n_pre, window.size, k_post)) if k > 0]
+    """:func:`window_parts_of` of ``window``."""
+    return window_parts_of(window.n_prefix, window.size, n_clusters)
 
 
-@functools.lru_cache(maxsize=256)
 def enabled_clusters(ks: tuple[int, ...], k_max: int, batch: int, device: torch.device) -> torch.Tensor:
     """``[len(ks) * batch, k_max]`` bool: per window part (``ks`` its cluster counts) and row, which of the
-    ``k_max`` cluster slots the part uses. Made once per distinct shape and shared read-only."""
+    ``k_max`` cluster slots the part uses."""
     return torch.cat([(torch.arange(k_max, device=device) < k).expand(batch, -1) for k in ks])
 
 
@@ -147,36 +150,66 @@ class PolestarRefresh(RefreshSelector):
         self.packet_logits = bool(getattr(stages.get("commit"), "wants_packet", False))
 
     def init_state(self, state: DecodeState) -> PolestarRefreshState:
-        return PolestarRefreshState(SideStream(state.x.device))
+        B, device = state.batch_size, state.x.device
+        return PolestarRefreshState(SideStream(device), since=torch.zeros(B, dtype=torch.long, device=device),
+                                    due=torch.zeros(B, dtype=torch.bool, device=device))
+
+    def begin_generation(self, local: PolestarRefreshState, state: DecodeState, cache: DecodeCache, model) -> None:
+        """The keys' inverse rotation for :func:`proxy_probs` (cos, -sin of this generation's cache positions), into
+        its buffers (allocated with the first generation)."""
+        if self.config.proxy_rope:
+            return
+        cos, sin = model.rotary.cos_sin(cache.positions)
+        if local.key_rope is None:
+            local.key_rope = (torch.empty_like(cos), torch.empty_like(sin))
+        local.key_rope[0].copy_(cos)
+        local.key_rope[1].copy_(-sin)
 
     def begin_block(self, local: PolestarRefreshState, state: DecodeState) -> None:
-        local.since = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
-        for clusters in local.per_layer():
-            clusters.clear()
+        local.since.zero_()
+        local.due.zero_()
 
-    def allocate(self, local: PolestarRefreshState, state: DecodeState, cache: DecodeCache, model) -> None:
-        """The block's window, its stores (allocated once per window size, reused) and the k-means seeds, drawn
-        from the generation's generator in one draw ``[n_layers, parts, n]``, one key row shared by the batch."""
-        bl = state.block_length
-        local.window = make_window(state.block_start, state.block_end, state.logit_shift,
-                                   self.config.prefix_blocks * bl, self.config.suffix_blocks * bl, cache)
-        local.store = local.qstore = None
-        local.keys = None
-        if local.window.size == 0:
+    def suffix_columns(self, state: DecodeState, position: StepPosition) -> int:
+        """Columns of the window after the block at ``position`` (``suffix_blocks`` blocks, clipped at the end)."""
+        return min(state.length, position.block_end + self.config.suffix_blocks * state.block_length) - \
+            position.block_end
+
+    def phase(self, position: StepPosition, state: DecodeState, local: PolestarRefreshState) -> PolestarPhase:
+        """A block start (``build``, with the window-refresh span's length or 0 for a full forward), a sparse-update
+        step (``update``: the previous step found a row due), or a plain block step; ``n_post``: the window's
+        suffix columns where the step reads the window (narrower in the last blocks)."""
+        c, bl = self.config, state.block_length
+        n_post = self.suffix_columns(state, position)
+        has_window = c.prefix_blocks * bl + n_post > 0
+        if position.at_block_start:
+            span = 0
+            every = c.window_refresh_every
+            if every and position.block_index % every == every - 1:
+                lo = max(0, position.block_start - state.logit_shift - c.prefix_blocks * bl)
+                span = min(state.length, position.block_end + c.suffix_blocks * bl) - lo
+            return PolestarPhase("build" if has_window else "start", n_post if has_window else 0, span)
+        if has_window and position.flags and position.flags[0]:
+            return PolestarPhase("update", n_post, 0)
+        return PolestarPhase("plain", 0, 0)
+
+    def allocate(self, local: PolestarRefreshState, state: DecodeState, cache: DecodeCache, model,
+                 position: StepPosition) -> None:
+        """The block's window buffers (stores and clusters, allocated once per window size and reused by later
+        blocks and generations) and the k-means seeds, drawn from the generation's generator in one draw
+        ``[n_layers, parts, n]`` into their buffer, one key row shared by the batch."""
+        n_post = self.suffix_columns(state, position)
+        window = self.config.prefix_blocks * state.block_length + n_post
+        local.current = None
+        if window == 0:
             return
-        local.store, local.qstore = local.stores_for(self, state, model)
-        if local.key_rope is None and not self.config.proxy_rope:  # the inverse rotation of the cache positions
-            cos, sin = model.rotary.cos_sin(cache.positions)                # (fixed for the generation): cos, -sin
-            local.key_rope = (cos, -sin)
-        B, device, L = state.batch_size, state.x.device, model.spec.n_layers
-        parts = window_parts(local.window, self.config.n_clusters)
-        n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
-        local.k_valid = enabled_clusters(tuple(k for _lo, _hi, k in parts), k_max, B, device)
-        if self.clusterer.needs_keys:  # [L, P * B, n_max]: per (layer, part) one key row shared by the batch; the
-            # padding columns past a part's length are invalid points, never picked whatever their key
-            P = len(parts)
-            keys = init_keys(L * P, n_max, state.generator, device).view(L, P, 1, n_max)
-            local.keys = keys.expand(L, P, B, n_max).reshape(L, P * B, n_max)
+        if n_post not in local.windows:
+            local.windows[n_post] = WindowBuffers.allocate(self, state, model, self.config.prefix_blocks *
+                                                           state.block_length, n_post)
+        cur = local.current = local.windows[n_post]
+        if cur.keys is not None:
+            L, P = model.spec.n_layers, len(cur.parts)
+            n_max = cur.keys.shape[-1]
+            cur.keys.copy_(init_keys(L * P, n_max, state.generator, state.x.device).view(L, P, n_max))
 
     def clusters_together(self, device: torch.device) -> bool:
         """Whether a block start clusters every layer in one clusterer call (see the class docstring)."""
@@ -185,41 +218,44 @@ class PolestarRefresh(RefreshSelector):
 
     # -- plan -----------------------------------------------------------------------------------------------
     def plan(self, state: DecodeState, cache: DecodeCache, local: PolestarRefreshState) -> Plan:
-        if not state.at_block_start:
+        phase: PolestarPhase = state.phase.refresh
+        if phase.kind not in ("build", "start"):
             return block_plan(state)
-        every = self.config.window_refresh_every
-        if every and state.block_index % every == every - 1:
-            bl = state.block_length
-            lo = max(0, state.block_start - state.logit_shift - self.config.prefix_blocks * bl)
-            hi = min(state.length, state.block_end + self.config.suffix_blocks * bl)
-            return span_plan(state.batch_size, lo, hi, state.x.device, state.active,
-                             state.block_start - state.logit_shift - lo)
+        if phase.span:  # a window refresh: only the window and the block are recomputed
+            shift, start = state.logit_shift, state.clock.block_start
+            lo = (start - shift - self.config.prefix_blocks * state.block_length).clamp_min(0)
+            return span_plan(state.batch_size, lo, phase.span, state.x.device, state.active, start - shift - lo)
         return block_start_plan(state)
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: PolestarRefreshState):
-        if local.window.size == 0:
-            return None
-        if state.at_block_start:  # the block's first forward: cluster and store the window at every layer
-            plan_start = state.block_start - state.logit_shift - plan.target_offset
+        phase: PolestarPhase = state.phase.refresh
+        if phase.kind == "build":  # the block's first forward: cluster and store the window at every layer
+            plan_start = state.clock.block_start - state.logit_shift - plan.target_offset
             return _BuildHook(self, state, plan_start, cache, model, local)
-        if not state.refresh_flags[0]:  # no row is due for an update (decided on the device, read with the loop's)
+        if phase.kind != "update":  # no row is due for an update (decided on the device, read with the loop's)
             return None
         # the block start's side-stream work (storing the window) must finish before this step reads the stores
         local.side.join()
         strategy = _PolestarMembers(self, state, cache, model, local)
         return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
 
+    def window(self, state: DecodeState, cache: DecodeCache) -> Window:
+        """The current block's :class:`Window` (its suffix width from the step's phase)."""
+        bl = state.block_length
+        return make_window(state.clock.block_start, bl, state.logit_shift, self.config.prefix_blocks * bl,
+                           state.phase.refresh.n_post, cache)
+
     def next_step_flags(self, state: DecodeState, local: PolestarRefreshState) -> torch.Tensor | None:
         """``[1]`` bool: is any row due for a sparse update at the next step. A row is due when the step just taken
         committed more than ``tau_upd`` tokens or more than ``tau_upd + 1`` were committed since its last update;
-        ``local.due [B]`` keeps which rows (the others take part with no member)."""
-        if local.window.size == 0:
+        ``local.due [B]`` keeps which rows (the others take part with no member). Written in place."""
+        if self.config.prefix_blocks == 0 and self.config.suffix_blocks == 0:
             return None
         last = state.last_commits
         tau = self.config.tau_upd
         due = state.active & ((last > tau) | (local.since + last > tau + 1))
-        local.since = torch.where(due, 0, local.since + last)
-        local.due = due
+        local.since.copy_(torch.where(due, 0, local.since + last))
+        local.due.copy_(due)
         return due.any()[None]
 
     def refreshes_layer(self, layer: int, n_layers: int) -> bool:
@@ -236,52 +272,74 @@ class PolestarRefresh(RefreshSelector):
                 for layer in range(n_layers)]
 
 
+class PolestarPhase(NamedTuple):
+    """:class:`PolestarRefresh`'s entry of the step phase: ``kind`` ``"build"`` (a block start that clusters and
+    stores the window), ``"start"`` (a block start with an empty window), ``"update"`` (a sparse-update step) or
+    ``"plain"``; ``n_post`` the window's suffix columns
+    (where the step reads the window); ``span`` at a window-refresh block start, the length of the recomputed span
+    (0: a full forward)."""
+
+    kind: str
+    n_post: int
+    span: int
+
+
+@attrs.define
+class WindowBuffers:
+    """The buffers of one window size (``Nw = n_pre + n_post`` columns), allocated once and reused by every block and
+    generation with that window: the stores of the window's layer inputs and queries (:class:`RowStore`
+    ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer), the k-means seeds ``keys [L, P, n]`` (one key row per layer
+    and window part, shared by the batch; None for a clusterer without keys), and per layer (stacked on dim 0) the
+    block start's clusters: ``centroids [L, B, K, d]``, ``labels [L, B, Nw]`` (-1 invalid), ``counts [L, B, K]``,
+    ``centroid_pos [L, B, K]`` and the last update's proxy distributions ``prev [L, B, H, K, T+1]``. ``parts``: the
+    window parts' ``(lo, hi, k)`` (:func:`window_parts`)."""
+
+    parts: tuple
+    store: RowStore
+    qstore: RowStore
+    keys: torch.Tensor | None
+    centroids: torch.Tensor
+    labels: torch.Tensor
+    counts: torch.Tensor
+    centroid_pos: torch.Tensor
+    prev: torch.Tensor
+
+    @classmethod
+    def allocate(cls, sel: PolestarRefresh, state: DecodeState, model, n_pre: int, n_post: int) -> WindowBuffers:
+        spec, B, device, dtype = model.spec, state.batch_size, state.x.device, model.dtype
+        L, n = spec.n_layers, n_pre + n_post
+        parts = tuple(window_parts_of(n_pre, n, sel.config.n_clusters))
+        K = sum(k for _lo, _hi, k in parts)
+        n_max = max(hi - lo for lo, hi, _k in parts)
+        args = (sel.quant, sel.offload, L, B, n)
+        keys = torch.zeros(L, len(parts), n_max, device=device) if sel.clusterer.needs_keys else None
+
+        def zeros(*shape, dt=dtype):
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        return cls(parts, RowStore(*args, spec.d_model, device, dtype),
+                   RowStore(*args, spec.n_heads * spec.head_dim, device, dtype), keys,
+                   zeros(L, B, K, spec.d_model), zeros(L, B, n, dt=torch.long), zeros(L, B, K, dt=torch.long),
+                   zeros(L, B, K, dt=torch.long), zeros(L, B, spec.n_heads, K, state.length + 1, dt=torch.float32))
+
+
 @attrs.define
 class PolestarRefreshState:
-    """Per-generation state of :class:`PolestarRefresh`; everything but ``side``, ``key_rope`` and the store buffers
-    is reset at each block start.
+    """Per-generation state of :class:`PolestarRefresh`, preallocated and written in place.
 
-    ``side``: the side stream of the block-start work; ``window``: this block's :class:`Window`; ``keys``: the
-    k-means seeds drawn for this block ``[L, P * B, n]`` (None for a clusterer without keys), per layer the window
-    parts stacked as groups (``k_valid [P * B, k]`` their enabled clusters); ``key_rope``: cos, -sin of the cache
-    positions for :func:`proxy_probs`, made once per generation (None with ``proxy_rope``); ``store``: the
-    window's stored layer inputs and ``qstore`` their queries (:class:`RowStore` ``[B, Nw, d]`` and
-    ``[B, Nw, H * hd]`` per layer, allocated once per window size in ``buffers`` and reused); ``since``: ``[B]``
-    tokens committed since each row's last update; ``due``: ``[B]`` rows due for an update at the next step; per
-    layer ``l``:
-    ``centroids[l] [B, K, d]``, ``labels[l] [B, Nw]`` (-1 invalid), ``counts[l] [B, K]``,
-    ``centroid_pos[l] [B, K]`` and the last update's proxy distributions ``prev[l] [B, H, K, T+1]``.
+    ``side``: the side stream of the block-start work; ``since``: ``[B]`` tokens committed since each row's last
+    update; ``due``: ``[B]`` rows due for an update at the next step (both reset at each block start);
+    ``key_rope``: cos, -sin ``[B, 1, T + 1, hd]`` of the cache positions for :func:`proxy_probs`, written once per
+    generation (None with ``proxy_rope``); ``windows``: the :class:`WindowBuffers` of each window suffix width met so
+    far, and ``current`` the current block's (set on the host when the block starts; None for an empty window).
     """
 
     side: SideStream
-    window: Window | None = None
-    keys: torch.Tensor | None = None
-    k_valid: torch.Tensor | None = None
+    since: torch.Tensor
+    due: torch.Tensor
     key_rope: tuple | None = None
-    due: torch.Tensor | None = None
-    store: RowStore | None = None
-    qstore: RowStore | None = None
-    buffers: dict = attrs.field(factory=dict)
-    since: torch.Tensor | None = None
-    centroids: list = attrs.field(factory=list)
-    labels: list = attrs.field(factory=list)
-    counts: list = attrs.field(factory=list)
-    centroid_pos: list = attrs.field(factory=list)
-    prev: list = attrs.field(factory=list)
-
-    def per_layer(self) -> tuple[list, ...]:
-        """The per-layer lists (centroids, labels, counts, centroid_pos, prev)."""
-        return self.centroids, self.labels, self.counts, self.centroid_pos, self.prev
-
-    def stores_for(self, sel: PolestarRefresh, state: DecodeState, model) -> tuple[RowStore, RowStore]:
-        """The (input, query) stores for this block's window size, allocated on first use."""
-        n = self.window.size
-        if n not in self.buffers:
-            spec = model.spec
-            args = (sel.quant, sel.offload, spec.n_layers, state.batch_size, n)
-            self.buffers[n] = (RowStore(*args, spec.d_model, state.x.device, model.dtype),
-                               RowStore(*args, spec.n_heads * spec.head_dim, state.x.device, model.dtype))
-        return self.buffers[n]
+    windows: dict = attrs.field(factory=dict)
+    current: WindowBuffers | None = None
 
 
 def proxy_probs(model, cache: DecodeCache, layer: int, key_rope: tuple | None, q: torch.Tensor, meter) -> torch.Tensor:
@@ -319,34 +377,36 @@ class _BuildHook(LayerHook):
     (:meth:`PolestarRefresh.allocate`), so the whole block start runs inside the compiled step.
     """
 
-    def __init__(self, sel: PolestarRefresh, state, plan_start: int, cache, model, local: PolestarRefreshState):
+    def __init__(self, sel: PolestarRefresh, state, plan_start, cache, model, local: PolestarRefreshState):
         self.sel, self.state, self.cache, self.model, self.local = sel, state, cache, model, local
-        window: Window = local.window
+        self.buffers: WindowBuffers = local.current
+        self.window = window = sel.window(state, cache)
         B = state.batch_size
         self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
         spec = model.spec
         self.q_slots = self.slots[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
         self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
-        self.parts = window_parts(window, sel.config.n_clusters)
+        self.parts = self.buffers.parts
         self.rope_pos = cache.positions.index_select(1, window.positions)
         self.together = sel.clusters_together(state.x.device)
         self.inputs: list[torch.Tensor] = []  # each layer's window inputs [B, Nw, d], kept when clustering together
 
     def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
-        """``hw [n, B, Nw, d]`` (``n`` layers), ``keys [n, P * B, m]`` or None → ``centroids [n, B, K, d]``,
+        """``hw [n, B, Nw, d]`` (``n`` layers), ``keys [n, P, m]`` (one key row per layer and part, shared by the
+        batch) or None → ``centroids [n, B, K, d]``,
         ``labels [n, B, Nw]`` (window-wide cluster ids, -1 invalid), ``counts [n, B, K]``. The prefix and suffix
         parts of every layer are clustered separately, in one clusterer call: each (layer, part) is a group of its
         own, padded to the longer part (padding invalid) with the clusters it lacks disabled."""
-        local, parts = self.local, self.parts
+        parts = self.parts
         n, B, Nw, d = hw.shape
         P = len(parts)
-        n_max, k_max = max(hi - lo for lo, hi, _k in parts), local.k_valid.shape[1]
+        n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
         flat = hw.reshape(n * B, Nw, d).float()
         x = torch.stack([pad_columns(flat[:, lo:hi], n_max, 0.0).view(n, B, n_max, d) for lo, hi, _k in parts], 1)
-        ok = torch.cat([pad_columns(local.window.valid[:, lo:hi], n_max, False) for lo, hi, _k in parts])
+        ok = torch.cat([pad_columns(self.window.valid[:, lo:hi], n_max, False) for lo, hi, _k in parts])
         groups = n * P * B
-        seeds = None if keys is None else keys.reshape(groups, n_max)
-        k_valid = local.k_valid.repeat(n, 1)
+        seeds = None if keys is None else keys[:, :, None, :].expand(n, P, B, n_max).reshape(groups, n_max)
+        k_valid = enabled_clusters(tuple(k for _lo, _hi, k in parts), k_max, B, hw.device).repeat(n, 1)
         with scope("cluster"):
             c, lab, cnt = self.sel.clusterer.cluster(x.reshape(groups, n_max, d), k_max, ok.repeat(n, 1), None,
                                                      seeds, k_valid=k_valid)
@@ -362,8 +422,9 @@ class _BuildHook(LayerHook):
 
     def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows and
-        keep their clusters; → the centroids ``[n, B, K, d]`` and their RoPE positions ``[n, B, K]``."""
-        local = self.local
+        write their clusters into the window's buffers; → the centroids ``[n, B, K, d]`` and their RoPE positions
+        ``[n, B, K]``."""
+        local, buf = self.local, self.buffers
         centroids, labels, counts = self._cluster(hw, keys)
         if self.sel.config.proxy_rope:  # the members' mean position
             onehot = torch.nn.functional.one_hot(labels.clamp_min(0), centroids.shape[2]).float()
@@ -373,15 +434,16 @@ class _BuildHook(LayerHook):
         else:  # rotary at position 0 is the identity: un-rotated centroid queries
             centroid_pos = torch.zeros(counts.shape, dtype=torch.long, device=counts.device)
         anchor = None
-        if not local.store.quant.lossless:  # a lossy store keeps residuals to each member's centroid
+        if not buf.store.quant.lossless:  # a lossy store keeps residuals to each member's centroid
             anchor = centroids.gather(2, labels.clamp_min(0)[..., None].expand(-1, -1, -1, hw.shape[-1]))
         for i in range(hw.shape[0]):
             with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
-                local.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
-            local.centroids.append(centroids[i])
-            local.labels.append(labels[i])
-            local.counts.append(counts[i])
-            local.centroid_pos.append(centroid_pos[i])
+                buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
+        layers = slice(first, first + hw.shape[0])
+        buf.centroids[layers].copy_(centroids)
+        buf.labels[layers].copy_(labels)
+        buf.counts[layers].copy_(counts)
+        buf.centroid_pos[layers].copy_(centroid_pos)
         return centroids, centroid_pos
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
@@ -389,7 +451,7 @@ class _BuildHook(LayerHook):
         if self.together:
             self.inputs.append(hw)
             return None
-        keys = None if self.local.keys is None else self.local.keys[layer : layer + 1]
+        keys = None if self.buffers.keys is None else self.buffers.keys[layer : layer + 1]
         centroids, centroid_pos = self._record(layer, hw[None], keys)
         if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
             return None
@@ -400,13 +462,13 @@ class _BuildHook(LayerHook):
         B, H, _, hd = qkv.q.shape
         q_window = qkv.q.gather(2, self.q_slots)  # the window's slots lie among the plan's C rows
         with local.side.run(q_window), scope("store"):
-            local.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
+            self.buffers.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
         if not self.together:
             if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
                 return None
             with scope("proxy_attention"):
-                local.prev.append(proxy_probs(self.model, self.cache, layer, local.key_rope, qkv.q[:, :, C:],
-                                              qkv.meter))
+                self.buffers.prev[layer].copy_(proxy_probs(self.model, self.cache, layer, local.key_rope,
+                                                           qkv.q[:, :, C:], qkv.meter))
         elif layer == self.model.spec.n_layers - 1:  # every layer's K/V is written: cluster them all at once
             self._cluster_all(qkv.meter)
         return None
@@ -415,7 +477,7 @@ class _BuildHook(LayerHook):
         """Cluster every layer's kept window inputs in one clusterer call, then score each layer's centroid queries
         (a pass over the layer's q weight of their own) against its keys."""
         local, model = self.local, self.model
-        centroids, centroid_pos = self._record(0, torch.stack(self.inputs), local.keys)
+        centroids, centroid_pos = self._record(0, torch.stack(self.inputs), self.buffers.keys)
         self.inputs.clear()
         for layer in range(model.spec.n_layers):
             if not self.sel.refreshes_layer(layer, model.spec.n_layers):
@@ -423,7 +485,7 @@ class _BuildHook(LayerHook):
             positions = centroid_pos[layer] if self.sel.config.proxy_rope else None
             q = model.project_queries(layer, centroids[layer], positions, meter)
             with scope("proxy_attention"):
-                local.prev.append(proxy_probs(model, self.cache, layer, local.key_rope, q, meter))
+                self.buffers.prev[layer].copy_(proxy_probs(model, self.cache, layer, local.key_rope, q, meter))
 
 
 class _PolestarMembers(MemberStrategy):
@@ -435,9 +497,9 @@ class _PolestarMembers(MemberStrategy):
 
     def __init__(self, sel: PolestarRefresh, state, cache, model, local: PolestarRefreshState):
         self.sel, self.cache, self.model, self.local, self.due = sel, cache, model, local, local.due
-        window: Window = local.window
-        self.window = window
-        self.store = local.store
+        self.buffers = buf = local.current
+        self.window = window = sel.window(state, cache)
+        self.store = buf.store
         self.trash = window.size
         self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
         self.capacity = sel.capacities(window.size, model.spec.n_layers)
@@ -451,29 +513,29 @@ class _PolestarMembers(MemberStrategy):
 
     def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
         """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""
-        local = self.local
-        labels = local.labels[layer].gather(1, packet.rows.clamp(max=self.trash - 1))
-        k_clusters = local.centroids[layer].shape[1]
+        buf = self.buffers
+        labels = buf.labels[layer].gather(1, packet.rows.clamp(max=self.trash - 1))
+        k_clusters = buf.centroids.shape[2]
         keep = (packet.valid & (labels >= 0))[..., None].to(old.dtype)
         onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype) * keep
         delta = torch.einsum("bmk,bmd->bkd", onehot, packet.out.to(old.dtype) - old)
-        counts = local.counts[layer].clamp_min(1)[..., None].to(old.dtype)
-        local.centroids[layer] = local.centroids[layer] + (delta / counts).to(local.centroids[layer].dtype)
+        counts = buf.counts[layer].clamp_min(1)[..., None].to(old.dtype)
+        buf.centroids[layer].add_((delta / counts).to(buf.centroids.dtype))
 
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
                    meter) -> ExtraRows | None:
-        local = self.local
+        buf = self.buffers
         self.n_kv = 0 if kv is None else kv.inputs.shape[1]
         if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
             return kv
-        pos = local.centroid_pos[layer]
-        proxies = ExtraRows(local.centroids[layer], pos, torch.full_like(pos, self.cache.trash))
+        pos = buf.centroid_pos[layer]
+        proxies = ExtraRows(buf.centroids[layer], pos, torch.full_like(pos, self.cache.trash))
         if kv is None:
             return proxies
         return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(kv, proxies)))
 
     def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
-        local, sel, model = self.local, self.sel, self.model
+        local, buf, sel, model = self.local, self.buffers, self.sel, self.model
         if not sel.refreshes_layer(layer, model.spec.n_layers):
             return None
         B, H, _, hd = qkv.q.shape
@@ -481,16 +543,16 @@ class _PolestarMembers(MemberStrategy):
         if packet is not None:  # the packet rows' new queries, from this layer's pass, replace the stored ones
             q_packet = q_extra[:, :, : self.n_kv]
             with scope("store"):
-                local.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
+                buf.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
             cur = proxy_probs(model, self.cache, layer, local.key_rope, q_extra[:, :, self.n_kv:], qkv.meter)
         with scope("drift"):
-            drift = sel.drift.score(cur, local.prev[layer])
-        local.prev[layer] = torch.where(self.due[:, None, None, None], cur, local.prev[layer])
+            drift = sel.drift.score(cur, buf.prev[layer])
+        buf.prev[layer].copy_(torch.where(self.due[:, None, None, None], cur, buf.prev[layer]))
         k = sel.config.topk_last if layer == model.spec.n_layers - 1 else sel.config.topk
-        counts = local.counts[layer]
+        counts = buf.counts[layer]
         rank = cluster_ranks(drift, counts)
-        labels = local.labels[layer]
+        labels = buf.labels[layer]
         label_rank = rank.gather(1, labels.clamp_min(0))
         chosen = (label_rank < min(k, rank.shape[1])) & (counts.gather(1, labels.clamp_min(0)) > 0)
         member = self.window.valid & (labels >= 0) & chosen & self.due[:, None]
@@ -499,7 +561,7 @@ class _PolestarMembers(MemberStrategy):
             chosen_clusters = (rank < min(k, rank.shape[1])) & (counts > 0) & self.due[:, None]
             self.detail.clusters[layer] = ClusterDrift(drift, counts, chosen_clusters, self.window.positions, labels)
         with scope("store"):
-            q = local.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
+            q = buf.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
         inputs = None
         if layer == 0:  # layer 0's input is the token embedding: read it, not the store
             tokens = self.x.gather(1, self.slots(rows).clamp(max=self.x.shape[1] - 1))  # trash slots: any token

@@ -17,7 +17,6 @@ cache's per-layer hidden states for the baselines) and where members' queries co
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -43,27 +42,21 @@ class Window(NamedTuple):
         return self.positions.numel()
 
 
-def make_window(block_start: int, block_end: int, shift: int, prefix: int, suffix: int, cache: DecodeCache) -> Window:
-    """``prefix`` columns before the block (stopping ``shift`` early: Dream recomputes ``block_start - 1`` with the
-    block) and ``suffix`` columns after it (clipped at the end of the sequence); columns are Python ints, so no host
-    sync. The prefix always has ``prefix`` columns: the ones before column 0 stand at column 0 and are invalid, as
-    left padding is, so a row's window (its size, its cluster split, the columns of its valid tokens counted from
-    the block) is the same alone and in a batch with longer prompts."""
-    positions, inside = window_columns(block_start - shift - prefix, block_start - shift, block_end,
-                                       min(cache.length, block_end + suffix), cache.key_valid.device)
-    valid = cache.key_valid.index_select(1, positions) & inside
+def make_window(block_start: int | torch.Tensor, block_length: int, shift: int, prefix: int, n_post: int,
+                cache: DecodeCache) -> Window:
+    """``prefix`` columns before the block starting at ``block_start`` (a 0-d long tensor inside a step, so a new
+    block is a new value, not a new graph), stopping ``shift`` early (Dream recomputes ``block_start - 1`` with the
+    block), and the ``n_post`` columns after the block (the caller clips them at the end of the sequence). The prefix
+    always has ``prefix`` columns: the ones before column 0 stand at column 0 and are invalid, as left padding is,
+    so a row's window (its size, its cluster split, the columns of its valid tokens counted from the block) is the
+    same alone and in a batch with longer prompts."""
+    device = cache.key_valid.device
+    pre = block_start - shift - prefix + torch.arange(prefix, device=device)
+    post = block_start + block_length + torch.arange(n_post, device=device)
+    positions = torch.cat([pre.clamp_min(0), post])
+    inside = torch.cat([pre >= 0, torch.ones(n_post, dtype=torch.bool, device=device)])
+    valid = cache.key_valid.index_select(1, positions) & inside[None, :]
     return Window(positions, valid, prefix)
-
-
-@functools.lru_cache(maxsize=512)
-def window_columns(pre_lo: int, pre_hi: int, post_lo: int, post_hi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columns ``[Nw]`` of a window made of ``[pre_lo, pre_hi)`` and ``[post_lo, post_hi)`` (those before column 0
-    stand at column 0) and ``[1, Nw]`` bool whether each is at or after column 0. A function of plain ints, so its
-    tensors are made once per distinct window and shared (read-only) by every generation that meets it."""
-    pre = torch.arange(pre_lo, pre_hi, device=device)
-    post = torch.arange(post_lo, post_hi, device=device)
-    inside = torch.cat([pre >= 0, torch.ones_like(post, dtype=torch.bool)])[None, :]
-    return torch.cat([pre.clamp_min(0), post]), inside
 
 
 def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int, trash: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from polestar.bench.tasks import get_task
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit, PolestarCommitState
 from polestar.policies.commit_basic import ThresholdCommit
-from polestar.state import DecodeState, Prediction, UpdatePacket
+from polestar.state import DecodeState, Prediction, StepClock, StepPhase, UpdatePacket
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]
@@ -19,9 +19,9 @@ PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]
 
 def _state(batch=2, bl=8, shift=0, length=40):
     x = torch.full((batch, length), 39)
-    return DecodeState(x=x, active=torch.ones(batch, dtype=torch.bool), config=GenerationConfig(32, 8),
+    return DecodeState(x=x, active=torch.ones(batch, dtype=torch.bool), config=GenerationConfig(4 * bl, bl),
                        mask_id=39, eos_id=38, prompt_len=8, logit_shift=shift, n_layers=2,
-                       generator=torch.Generator().manual_seed(0), block_start=8, block_end=8 + bl)
+                       generator=torch.Generator().manual_seed(0), clock=StepClock.at(8, "cpu"))
 
 
 @settings(max_examples=50, deadline=None)
@@ -55,6 +55,7 @@ def test_drift_delta_rule_with_infinite_alpha_equals_threshold(family):
 def test_early_commit_needs_a_sharp_delta():
     rule = PolestarCommit(PolestarCommit.Config())
     state = _state(batch=1, bl=4)
+    state.phase = StepPhase(commit=True)  # past the block's first step: a drift delta exists
     conf = torch.tensor([[0.95, 0.85, 0.8, 0.5]], dtype=torch.float64)
     pred = Prediction(torch.zeros(1, 4, dtype=torch.long), conf, torch.zeros(1, 4, 4))
     masked = torch.ones(1, 4, dtype=torch.bool)
@@ -77,8 +78,8 @@ def test_suffix_commit_only_at_or_above_threshold_and_after_the_block(shift):
     logits = torch.zeros(1, 6, V)
     logits[0, :, 7] = torch.tensor([20.0, 20.0, 20.0, 1.0, 20.0, 20.0])  # column 17 is unconfident
     valid = torch.tensor([[True, True, True, True, True, False]])
-    state.packet = UpdatePacket(positions, valid, logits)
-    positions_out, tokens, conf, commit = rule.suffix(state, PolestarCommitState())
+    packet = UpdatePacket(positions, valid, logits)
+    positions_out, tokens, conf, commit = rule.suffix(state, rule.init_state(state), packet)
     targets = positions_out[commit].tolist()
     assert (conf[commit] >= 0.9).all() and not (conf[~commit & valid] >= 0.9)[2:].any()
     assert targets == [p + shift for p in (16, 18)]

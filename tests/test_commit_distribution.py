@@ -13,7 +13,7 @@ from polestar.bench.tasks import get_task
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import token_entropy
 from polestar.policy import get_policy, policy_names
-from polestar.state import DecodeState, propose, token_log_probs
+from polestar.state import DecodeState, StepClock, StepPhase, StepPosition, propose, token_log_probs
 from polestar.step import forced_commits, predict
 
 V, MASK, BL = 40, 39, 16
@@ -32,7 +32,8 @@ def _state(batch: int) -> DecodeState:
     x = torch.full((batch, 8 + BL), MASK)
     return DecodeState(x=x, active=torch.ones(batch, dtype=torch.bool), config=GenerationConfig(BL, BL),
                        mask_id=MASK, eos_id=38, prompt_len=8, logit_shift=0, n_layers=2,
-                       generator=torch.Generator().manual_seed(0), block_start=8, block_end=8 + BL)
+                       generator=torch.Generator().manual_seed(0), clock=StepClock.at(8, "cpu"), n_heads=2,
+                       vocab_size=V)
 
 
 def test_token_distribution_excludes_the_mask_token():
@@ -89,7 +90,9 @@ def test_no_commit_below_the_stated_floor(rule_name):
     rule.begin_block(local, state)
     below_seen = 0
     for step in range(8):
-        state.step = step
+        state.clock.step.fill_(step)
+        position = StepPosition(0, 8, 8 + BL, step, step)
+        state.phase = StepPhase(commit=rule.phase(position, state, local))
         pred, masked = _random_prediction(gen, batch)
         probe = torch.softmax(torch.randn(batch, 2, BL, state.length + 1, generator=gen), -1)
         rule.observe_probe(state, probe, local)

@@ -147,10 +147,10 @@ def test_larger_k_selects_a_superset(batch, n_clusters, data):
 
 
 @pytest.mark.parametrize("block_start,shift", [(2, 0), (9, 0), (9, 1), (17, 0)])
-def test_window_columns_follow_the_definition_and_are_shared_unchanged(block_start, shift):
+def test_window_columns_follow_the_definition(block_start, shift):
     """``make_window``: ``prefix`` columns before the block (those before column 0 stand at 0 and are invalid, as is
-    left padding), ``suffix`` after it clipped at the sequence end; the column tensors are made once per window and
-    shared, and a caller's ``valid`` is its own."""
+    left padding), ``n_post`` after it (the suffix clipped at the sequence end by the caller), from a block start
+    given as a device scalar, as inside a step: the same columns as from a Python int."""
     from types import SimpleNamespace
 
     from polestar.policies.sparse_update import make_window
@@ -160,14 +160,13 @@ def test_window_columns_follow_the_definition_and_are_shared_unchanged(block_sta
     key_valid[1, :3] = False  # row 1 is left-padded by 3
     cache = SimpleNamespace(key_valid=key_valid, length=T)
     block_end = block_start + bl
-    w = make_window(block_start, block_end, shift, prefix, suffix, cache)
+    n_post = min(T, block_end + suffix) - block_end
+    w = make_window(torch.tensor(block_start), bl, shift, prefix, n_post, cache)
     pre = list(range(block_start - shift - prefix, block_start - shift))
     post = list(range(block_end, min(T, block_end + suffix)))
     assert w.positions.tolist() == [max(c, 0) for c in pre] + post and w.n_prefix == prefix
     for row in range(2):
         expected = [c >= 0 and bool(key_valid[row, max(c, 0)]) for c in pre + post]
         assert w.valid[row].tolist() == expected
-    w.valid.fill_(False)  # a caller's mask is its own
-    again = make_window(block_start, block_end, shift, prefix, suffix, cache)
-    assert again.positions is w.positions  # the columns are cached, not rebuilt
-    assert again.valid.any()
+    from_int = make_window(block_start, bl, shift, prefix, n_post, cache)
+    assert from_int.positions.tolist() == w.positions.tolist() and torch.equal(from_int.valid, w.valid)
