@@ -68,9 +68,11 @@ def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"--data file {data} does not exist")
+    from polestar.cli_checks import utf8_lines
+
     task = get_task(task_name)
     problems = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in utf8_lines(path):
         if not line.strip():
             continue
         try:

@@ -14,7 +14,7 @@ from torch import nn
 
 from .backbone import DiffusionLM, LayerParts
 from .layers import RMSNorm
-from .spec import ModelSpec, unsupported_values
+from .spec import ModelSpec, config_field, unsupported_values
 
 # config.json values the Dream backbone implements (full attention in every layer, plain 1-D RoPE, SwiGLU)
 _REQUIRED = {
@@ -43,27 +43,30 @@ def dream_spec(cfg: dict[str, Any]) -> ModelSpec:
         raise ValueError(f"config.json: {'; '.join(refused)}: not supported by polestar's Dream backbone, which "
                          "implements Dream-7B's full-attention, plain-RoPE layers; use a checkpoint with those values")
     eos = cfg.get("eos_token_id", 151643)
-    if isinstance(eos, list):
+    if isinstance(eos, list) and eos:
         eos = eos[0]
+    eos = config_field({"eos_token_id": eos}, "eos_token_id", "integer", 151643)
+    n_heads = config_field(cfg, "num_attention_heads", "integer")
+    vocab = config_field(cfg, "vocab_size", "integer")
     return ModelSpec(
         family="dream",
-        n_layers=cfg["num_hidden_layers"],
-        d_model=cfg["hidden_size"],
-        n_heads=cfg["num_attention_heads"],
-        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        mlp_hidden=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        embedding_size=cfg["vocab_size"],
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_seq_len=cfg.get("max_position_embeddings", 4096),
-        mask_id=cfg.get("mask_token_id", 151666),
+        n_layers=config_field(cfg, "num_hidden_layers", "integer"),
+        d_model=config_field(cfg, "hidden_size", "integer"),
+        n_heads=n_heads,
+        n_kv_heads=config_field(cfg, "num_key_value_heads", "integer") or n_heads,
+        mlp_hidden=config_field(cfg, "intermediate_size", "integer"),
+        vocab_size=vocab,
+        embedding_size=vocab,
+        rope_theta=config_field(cfg, "rope_theta", "number", 10000.0),
+        norm_eps=config_field(cfg, "rms_norm_eps", "number", 1e-6),
+        max_seq_len=config_field(cfg, "max_position_embeddings", "integer", 4096),
+        mask_id=config_field(cfg, "mask_token_id", "integer", 151666),
         eos_id=eos,
-        pad_id=cfg.get("pad_token_id", eos),
+        pad_id=config_field(cfg, "pad_token_id", "integer", eos),
         qkv_bias=True,
         out_bias=False,
         mlp_bias=False,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=config_field(cfg, "tie_word_embeddings", "boolean", False),
         logit_shift=1,
     )
 

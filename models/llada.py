@@ -16,7 +16,7 @@ from torch import nn
 
 from .backbone import DiffusionLM, LayerParts
 from .layers import RMSNorm
-from .spec import ModelSpec, unsupported_values
+from .spec import ModelSpec, config_field, unsupported_values
 
 # config.json values our LLaDA backbone implements; anything else is refused with the field named.
 _REQUIRED = {
@@ -50,31 +50,34 @@ def llada_spec(cfg: dict[str, Any]) -> ModelSpec:
     missing = [k for k in ("d_model", "n_heads", "n_layers", "vocab_size") if k not in cfg]
     if missing:
         raise ValueError(f"config.json is missing LLaDA fields {missing}")
-    d = cfg["d_model"]
-    include_bias = bool(cfg.get("include_bias", False))
-    mlp_hidden = cfg.get("mlp_hidden_size") or cfg.get("mlp_ratio", 4) * d
-    vocab = cfg["vocab_size"]
-    emb = cfg.get("embedding_size") or vocab
+    d = config_field(cfg, "d_model", "integer")
+    include_bias = config_field(cfg, "include_bias", "boolean", False)
+    mlp_hidden = config_field(cfg, "mlp_hidden_size", "integer") or config_field(cfg, "mlp_ratio", "integer", 4) * d
+    vocab = config_field(cfg, "vocab_size", "integer")
+    emb = config_field(cfg, "embedding_size", "integer") or vocab
+    n_heads = config_field(cfg, "n_heads", "integer")
+    eos = config_field(cfg, "eos_token_id", "integer", 126081)
+    norm_bias = config_field(cfg, "bias_for_layer_norm", "boolean")
     return ModelSpec(
         family="llada",
-        n_layers=cfg["n_layers"],
+        n_layers=config_field(cfg, "n_layers", "integer"),
         d_model=d,
-        n_heads=cfg["n_heads"],
-        n_kv_heads=cfg.get("n_kv_heads") or cfg["n_heads"],
+        n_heads=n_heads,
+        n_kv_heads=config_field(cfg, "n_kv_heads", "integer") or n_heads,
         mlp_hidden=mlp_hidden,
         vocab_size=emb,
         embedding_size=emb,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        max_seq_len=cfg.get("max_sequence_length", 4096),
-        mask_id=cfg.get("mask_token_id", 126336),
-        eos_id=cfg.get("eos_token_id", 126081),
-        pad_id=cfg.get("pad_token_id", cfg.get("eos_token_id", 126081)),
-        qkv_bias=include_bias or bool(cfg.get("include_qkv_bias", False)),
+        rope_theta=config_field(cfg, "rope_theta", "number", 10000.0),
+        norm_eps=config_field(cfg, "rms_norm_eps", "number", 1e-5),
+        max_seq_len=config_field(cfg, "max_sequence_length", "integer", 4096),
+        mask_id=config_field(cfg, "mask_token_id", "integer", 126336),
+        eos_id=eos,
+        pad_id=config_field(cfg, "pad_token_id", "integer", eos),
+        qkv_bias=include_bias or config_field(cfg, "include_qkv_bias", "boolean", False),
         out_bias=include_bias,
         mlp_bias=include_bias,
-        norm_bias=include_bias if cfg.get("bias_for_layer_norm") is None else bool(cfg["bias_for_layer_norm"]),
-        tie_embeddings=bool(cfg.get("weight_tying", False)),
+        norm_bias=include_bias if norm_bias is None else norm_bias,
+        tie_embeddings=config_field(cfg, "weight_tying", "boolean", False),
         logit_shift=0,
     )
 

@@ -35,16 +35,42 @@ class TensorEntry:
     end: int
 
 
+#: first bytes of the formats ``torch.save`` and ``pickle.dump`` write (never opened here, only recognised)
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTOCOLS = range(2, 6)
+
+
+def pickle_format(head: bytes) -> str | None:
+    """What a file whose first 9 bytes are ``head`` is when it is a pickle in disguise: ``"a torch.save zip
+    archive (a pickle)"``, ``"a pickle (protocol N)"`` or None (by its first bytes only; nothing is unpickled). A
+    safetensors file starts with its header's length (8 bytes, little-endian) followed by the header's ``{``; a
+    pickle starts with PROTO (0x80, its protocol) and another opcode, never a zero byte."""
+    if head[8:9] == b"{":
+        return None
+    if head.startswith(_ZIP_MAGIC):
+        return "a torch.save zip archive (a pickle)"
+    if len(head) >= 3 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS and head[2] != 0:
+        return f"a pickle (protocol {head[1]})"
+    return None
+
+
 def read_header(path: Path) -> dict[str, TensorEntry]:
     """Parse the header of safetensors file ``path`` → ``{name: TensorEntry}`` (``__metadata__`` dropped).
 
-    Raises ValueError naming the file when the header is unreadable, names an unsupported dtype, or points past
-    the end of the file (a truncated download).
+    Raises ValueError naming the file when it is a pickle under a safetensors name (:func:`pickle_format`; never
+    unpickled), when the header is unreadable, names an unsupported dtype, or points past the end of the file (a
+    truncated download).
     """
     size = os.path.getsize(path)
     fix = "re-download or re-export it"
     with open(path, "rb") as f:
         raw = f.read(8)
+        pickled = pickle_format(raw + f.read(1))
+        f.seek(len(raw))
+        if pickled is not None:
+            raise ValueError(f"{path} is {pickled}, not safetensors (only its name says safetensors); polestar never "
+                             "unpickles weights (a pickle can run code): convert it to safetensors where you trust "
+                             "it, or download the checkpoint's real model.safetensors")
         if len(raw) < 8:
             raise ValueError(f"{path} is truncated ({size} bytes, shorter than a safetensors header); {fix}")
         (n,) = struct.unpack("<Q", raw)

@@ -9,8 +9,36 @@ from attrs import validators as v
 
 
 def _positive(_inst, attribute, value):
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a positive number, got {value!r}")
+
+
+#: what a config.json field of each kind must hold, in words
+_KIND_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true or false"}
+
+
+def config_field(cfg: dict[str, Any], key: str, kind: str, default: Any = None) -> Any:
+    """config.json field ``key`` checked to be ``kind`` (``"integer"``, ``"number"`` or ``"boolean"``), or
+    ``default`` when the field is absent or null. A value of another type (``"n_layers": "4"``) is one ValueError
+    naming the field, what it must be and what it holds, before anything is built from it. An integral float
+    (``4.0``) is an integer; a number is returned as float."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if kind == "integer":
+        ok = not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
+        value = int(value) if ok else value
+    elif kind == "number":
+        ok = not isinstance(value, bool) and isinstance(value, (int, float))
+        value = float(value) if ok else value
+    elif kind == "boolean":
+        ok = isinstance(value, bool)
+    else:
+        raise ValueError(f"unknown config field kind {kind!r}; kinds: {', '.join(_KIND_WORDS)}")
+    if not ok:
+        raise ValueError(f"config.json field {key} must be {_KIND_WORDS[kind]}, got {value!r} "
+                         f"({type(value).__name__}); correct it in the checkpoint's config.json")
+    return value
 
 
 @attrs.frozen

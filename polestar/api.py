@@ -86,6 +86,8 @@ def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system:
             if tok is None:
                 raise ValueError("string prompts need a checkpoint with tokenizer files (tokenizer.json or "
                                  "tokenizer_config.json); pass token ids instead")
+            for i, text in enumerate([*prompts, *([system] if chat and system is not None else [])]):
+                _check_text(text, f"prompt {i}" if i < len(prompts) else "system")
             if chat:
                 rows = [chat_prompt_ids(tok, p, system) for p in prompts]
             else:
@@ -111,6 +113,17 @@ def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system:
         ids[i, P - len(r) :] = torch.tensor(r, dtype=torch.long)
         mask[i, P - len(r) :] = True
     return ids.to(model.device), mask.to(model.device)
+
+
+def _check_text(text: str, what: str) -> None:
+    """ValueError when ``text`` holds a character no tokenizer can encode: a lone surrogate, which is how Python
+    keeps a byte that was not UTF-8 (a command-line argument, a file read with ``errors="surrogateescape"``)."""
+    from .cli_checks import undecodable
+
+    bad = undecodable(text)
+    if bad is not None:
+        raise ValueError(f"{what} is not UTF-8 text: byte 0x{bad[0]:02x} at character {bad[1] + 1} (a lone "
+                         "surrogate); decode your input as UTF-8 first")
 
 
 #: generation and block length when neither the call nor a preset gives them (``polestar generate``'s defaults)
@@ -149,7 +162,7 @@ def _task_prompts(task: str, prompts: Any) -> list[str]:
 
 
 def generate(
-    model: DiffusionLM,
+    model: DiffusionLM | str | Path,
     prompts: Any,
     policy: str | Pipeline = "fast-dllm",
     gen_length: int | None = None,
@@ -169,6 +182,8 @@ def generate(
 ) -> GenerationOutput:
     """Decode ``prompts`` with ``policy``: a registered policy name (see ``polestar policies``) or a
     :class:`~polestar.policy.Pipeline` already built by :func:`polestar.assemble` (then without overrides).
+    ``model`` is a loaded model, or a checkpoint directory or shipped name (``"tiny-llada"``), loaded with
+    :func:`load`'s defaults (to decode many times, load it once yourself).
 
     ``overrides`` set stage options (``threshold=0.8``, ``commit.threshold=0.8``) or swap stages
     (``refresh="prefix"``); every value is validated before any work starts. ``threshold`` is the confidence
@@ -190,6 +205,14 @@ def generate(
     ``polestar.bench.tasks``, e.g. ``"arith"``) formats each string prompt with the task's prompt layout, as
     ``polestar generate --task`` does: ``generate(model, ["3+4*2-5"], task="arith")``.
     """
+    if isinstance(model, (str, Path)):  # bad options and a missing checkpoint are named before any weight loads
+        from polestar.models.loading import resolve_checkpoint
+
+        if not isinstance(policy, Pipeline):
+            assemble(policy, {**overrides, **({"threshold?": threshold} if threshold is not None else {})},
+                     check_stages=False)
+        resolve_checkpoint(model)
+        model = load(model)
     if gen_length is None or block_length is None:
         lengths = length_defaults(model)
         gen_length = lengths["gen_length"] if gen_length is None else gen_length

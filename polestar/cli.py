@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -26,6 +27,7 @@ from .cli_checks import (
     check_model,
     check_positive,
     check_task_prompts,
+    check_utf8_prompts,
     get_task_or_usage,
     one_line,
     parse_sets,
@@ -211,6 +213,9 @@ def cmd_generate(args) -> int:
     decoding = decoding_from_args(args)
     # temperature None: generation_config.json's value, known once the model is loaded
     check_generation_config({k: v for k, v in decoding.items() if v is not None})
+    check_utf8_prompts("--prompt", args.prompt)
+    if args.system is not None:
+        check_utf8_prompts("--system", [args.system])
     check_task_prompts(args.task, args.prompt)
     _check_policy(args.policy, sets)
     if args.system is not None and not args.chat:
@@ -366,6 +371,9 @@ def cmd_inspect(args) -> int:
         check_positive("--length", args.length)
     report = inspect_checkpoint(args.model, batch_size=args.batch_size, length=args.length)
     print(json.dumps(report.as_dict(), indent=1) if args.json else "\n".join(report.lines()))
+    if report.refused:  # the facts are printed; the exit code says the checkpoint does not load
+        more = f" (and {len(report.refused) - 1} more, listed above)" if len(report.refused) > 1 else ""
+        raise RuntimeFailure(f"{args.model} does not load: {report.refused[0]}{more}")
     return 0
 
 
@@ -442,6 +450,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_line(args) -> str:
+    """What Ctrl-C left behind and how to continue: a ``bench --json`` run keeps its finished items for
+    ``--resume``; any other command has nothing to continue."""
+    json_out = getattr(args, "json_out", None)
+    if getattr(args, "command", None) != "bench":
+        return "interrupted"
+    if not json_out:
+        return ("interrupted; nothing was kept (with --json OUT.json a bench keeps its finished items, and --resume "
+                "continues it)")
+    from polestar.bench.item_log import all_items_paths
+
+    kept = ", ".join(str(p) for p in all_items_paths(json_out)) or "no items file yet"
+    return f"interrupted; finished items are kept ({kept}): rerun the same command with --resume to continue"
+
+
 #: Exceptions raised by validation (argument, option and configuration checks) before any work: usage errors.
 _USAGE_ERRORS = (UsageError, ValueError, KeyError, TypeError, FileNotFoundError, NotADirectoryError)
 
@@ -452,26 +475,40 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["lm-eval"]:  # every argument goes to lm-eval (polestar.evaluation.cli), not to this parser
         from polestar.evaluation.cli import run_lm_eval
 
-        try:
-            return run_lm_eval(argv[1:])
-        except ValueError as err:
-            print(f"error: {one_line(err)}", file=sys.stderr)
-            return 2
+        rest = [a for a in argv[1:] if a != "--debug"]
+        args = argparse.Namespace(command="lm-eval", debug=len(rest) < len(argv) - 1)
+        return _run(args, lambda: run_lm_eval(rest))
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help, --version, or an argparse usage error (already printed in one line)
         return done.code if isinstance(done.code, int) else 2
-    try:
+
+    def work() -> int:
         load_plugins(getattr(args, "plugin", ()))  # before any check: a plugin's stages are valid names
         return args.func(args)
+
+    return _run(args, work)
+
+
+def _run(args, work) -> int:
+    """``work()``'s exit code; a failure is one ``error:`` line (the traceback too with ``--debug``). Under a
+    launcher (``torchrun``: ``WORLD_SIZE`` > 1) a failing rank names itself, and a usage error, the same on every
+    rank, is reported by rank 0 alone."""
+    try:
+        return work()
     except RuntimeFailure as err:
         code, line, error = 1, one_line(err), err
     except _USAGE_ERRORS as err:
         code, line, error = 2, one_line(err), err
     except KeyboardInterrupt as err:
-        code, line, error = 130, "interrupted", err
+        code, line, error = 130, interrupted_line(args), err
     except Exception as err:  # an unexpected failure: still one line; --debug shows where
         code, line, error = 1, f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)", err
+    rank, world_size = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1:
+        if code == 2 and rank != 0:
+            return code
+        line = f"[rank {rank}] {line}"
     if args.debug:
         traceback.print_exception(type(error), error, error.__traceback__)
     print(f"error: {line}", file=sys.stderr)

@@ -159,6 +159,40 @@ def check_generation_config(decoding: dict[str, Any]) -> None:
         raise UsageError(one_line(err)) from None
 
 
+def undecodable(text: str) -> tuple[int, int] | None:
+    """``(byte, position)`` of the first byte of ``text`` that was not UTF-8 where it came from (Python keeps such a
+    byte of a command-line argument as a lone surrogate, U+DC80..U+DCFF), or None when ``text`` is clean."""
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            return ord(ch) - 0xDC00, i
+        if "\ud800" <= ch <= "\udfff":  # any other lone surrogate cannot be encoded either
+            return ord(ch), i
+    return None
+
+
+def check_utf8_prompts(flag: str, prompts: list[str]) -> None:
+    """Each of ``prompts`` (the values of ``flag``) is UTF-8 text; the first that is not is one UsageError naming
+    the prompt, the byte and its position."""
+    for i, prompt in enumerate(prompts):
+        bad = undecodable(prompt)
+        if bad is not None:
+            which = flag if len(prompts) == 1 else f"{flag} #{i + 1}"
+            raise UsageError(f"{which} is not UTF-8 text: byte 0x{bad[0]:02x} at character {bad[1] + 1}; pass the "
+                             "prompt as UTF-8 (convert it first, e.g. iconv -f latin1 -t utf-8)")
+
+
+def utf8_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each line of a text file, decoded as UTF-8; a line that is not UTF-8 is one
+    ValueError naming ``path:line``, the byte and its column."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                 f"{err.start + 1}); save the file as UTF-8") from None
+
+
 def check_task_prompts(task_name: str | None, prompts: list[str]) -> None:
     """Every ``--prompt`` must be an input of ``--task`` in that task's format (see ``task.validate_input``)."""
     if task_name is None:

@@ -112,8 +112,10 @@ def build(kind: str, name: str, **options: Any):
 
 def describe_option(field: attrs.Attribute) -> str:
     """What a config field accepts, e.g. ``"an integer >= 1"`` or ``"a number >= 0.0 and <= 1.0"``."""
-    type_name = _type_name(field)
+    type_name, optional = _optional_type(_type_name(field))
     text = _TYPE_WORDS.get(type_name, f"a {type_name}" if type_name else "a value")
+    if optional:
+        text += " (or null)"
     bounds, choices = [], None
     for validator in _flatten(field.validator):
         if type(validator).__name__ == "_NumberValidator":
@@ -129,10 +131,24 @@ _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false"
 
 
 def _type_name(field: attrs.Attribute) -> str:
+    """The field's annotated type as written (``"float"``, ``"bool | None"``); for a field without an annotation,
+    the type of its default when that is a plain int, float, bool or str (so a typo'd option is still named)."""
     t = field.type
     if t is None:
-        return ""
+        default = field.default
+        return type(default).__name__ if type(default) in (int, float, bool, str) else ""
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _optional_type(type_name: str) -> tuple[str, bool]:
+    """``"bool | None"`` / ``"Optional[bool]"`` → ``("bool", True)``; ``"float"`` → ``("float", False)``."""
+    name = type_name.replace(" ", "")
+    if name.startswith("Optional[") and name.endswith("]"):
+        return name[len("Optional["):-1], True
+    parts = name.split("|")
+    if len(parts) == 2 and "None" in parts:
+        return next(p for p in parts if p != "None"), True
+    return type_name, False
 
 
 def _flatten(validator) -> list:
@@ -145,6 +161,9 @@ def _flatten(validator) -> list:
 
 
 def _type_ok(type_name: str, value: Any) -> bool:
+    type_name, optional = _optional_type(type_name)
+    if optional and value is None:
+        return True
     if type_name == "int":
         return isinstance(value, int) and not isinstance(value, bool)
     if type_name == "float":
@@ -165,8 +184,9 @@ def _check_option(kind: str, name: str, field: attrs.Attribute, value: Any) -> N
     elif field.validator is not None:
         try:
             field.validator(None, field, field.converter(value) if field.converter is not None else value)
-        except (TypeError, ValueError) as err:
-            problem = f"got {value!r} ({_one_line(err)})"
+        except (TypeError, ValueError) as err:  # attrs' own validators put a tuple in a TypeError: keep its text
+            text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
+            problem = f"got {value!r} ({' '.join(text.split())})"
     if problem is not None:
         raise ValueError(f"option {field.name!r} of {kind} stage {name!r} must be {describe_option(field)}; "
                          f"{problem}")

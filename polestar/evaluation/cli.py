@@ -6,7 +6,10 @@ for lm-eval's ``--model_args``), except ``--preset NAME`` (see
 length, threshold and per-task generation lengths reach the model) and, when the selected tasks share one few-shot
 count in the preset and ``--num_fewshot`` is not given, ``--num_fewshot N`` is added. ``--model`` defaults to
 ``polestar``. ``--plugin MODULE_OR_FILE`` (repeatable) is imported first, in every process (see
-:mod:`polestar.plugins`; the model argument ``plugin=...`` does the same). After the run, the decoding counters summed over every rank are written to
+:mod:`polestar.plugins`; the model argument ``plugin=...`` does the same). The ``polestar`` model's arguments
+(unknown or malformed ones, the policy and its options, ``--device``, the checkpoint) are checked before lm-eval
+starts, so a bad one is one ``error:`` line before any of lm-eval's log lines. ``--debug`` (polestar's own) adds
+the traceback to a failure. After the run, the decoding counters summed over every rank are written to
 ``OUTPUT_PATH/polestar_counters_<time>.json`` when ``--output_path`` is given (beside lm-eval's results), else
 printed as JSON.
 """
@@ -17,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from polestar.plugins import load_plugins
 
@@ -183,8 +187,55 @@ def write_counters(argv: list[str]) -> Path | None:
     return path
 
 
+def model_kwargs(argv: list[str]) -> dict[str, Any]:
+    """The keyword arguments lm-eval builds the model with: ``--model_args`` (``k=v,k=v``, several such values,
+    or a JSON object) plus ``--device`` and ``--batch_size``, with lm-eval's own conversion of each value."""
+    from lm_eval.utils import simple_parse_args_string
+
+    kwargs: dict[str, Any] = {}
+    found = _values(argv, _MODEL_ARGS)
+    for value in found[1] if found is not None else []:
+        parsed = None
+        if value.strip().startswith("{"):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--model_args {value}: not valid JSON ({err.msg}); write key=value,key=value "
+                                 "or a JSON object") from None
+        if not isinstance(parsed, dict):
+            bad = [item for item in value.split(",") if item.strip() and "=" not in item]
+            if bad:
+                raise ValueError(f"--model_args: expected key=value, got {bad[0]!r}; e.g. --model_args "
+                                 "pretrained=tiny-llada,policy=polestar")
+            parsed = simple_parse_args_string(value)
+        kwargs.update(parsed)
+    for option, key in (("--device", "device"), ("--batch_size", "batch_size")):
+        given = _values(argv, (option,))
+        if given is not None and given[1]:
+            kwargs[key] = given[1][0]
+    return kwargs
+
+
+def check_polestar_model(argv: list[str]) -> None:
+    """The ``polestar`` model's arguments checked before lm-eval starts (so before its first log line): a bad
+    argument, policy, option, device or a missing checkpoint is one ValueError (exit code 2). A ``--device`` this
+    machine lacks is refused for any model."""
+    from polestar.cli_checks import check_device
+
+    device = _values(argv, ("--device",))
+    if device is not None and device[1]:
+        check_device(device[1][0])
+    model = _values(argv, ("--model", "-M"))
+    if model is None or model[1][:1] != ["polestar"]:
+        return
+    from .lm_eval_model import check_arguments
+
+    check_arguments(model_kwargs(argv))
+
+
 def run_lm_eval(argv: list[str]) -> int:
-    """``polestar lm-eval``: expand the arguments, register the model, run lm-eval, write the counters."""
+    """``polestar lm-eval``: expand the arguments, register the model, check its arguments, run lm-eval, write the
+    counters."""
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     plugins, argv = _pop_option(argv, "--plugin", "mydrift.py")
@@ -196,6 +247,8 @@ def run_lm_eval(argv: list[str]) -> int:
     except ImportError as err:
         raise ValueError(f"polestar lm-eval needs lm-evaluation-harness ({err}); install it with "
                          "pip install -e '.[eval]'") from None
+    if argv[:1] not in (["ls"], ["validate"]) and not any(a in ("-h", "--help") for a in argv):
+        check_polestar_model(argv)
 
     from . import distributed
 

@@ -6,7 +6,8 @@ before handing its arguments to lm-eval's own command line. Model arguments (``-
 * ``pretrained`` (required): checkpoint directory or shipped name (``tiny-llada``);
 * ``policy`` (``polestar``), ``gen_length``, ``block_length``, ``steps``, ``threshold``, ``temperature``,
   ``seed``, ``stop_at_eos``, ``compile``: as in :func:`polestar.generate`;
-* ``dtype`` (default: the checkpoint's own, as :func:`polestar.load` picks it; never upcast), ``device`` (``cuda`` when available, else ``cpu``);
+* ``dtype`` (default: the checkpoint's own, as :func:`polestar.load` picks it; never upcast), ``device`` (``cuda``
+  when available, else ``cpu``; a device this machine does not have is an error, never a silent fallback);
 * ``preset``: an :mod:`~polestar.evaluation.presets` name (``table1``) that sets block length, the paper's stage
   options (threshold 0.9, ...) and the per-task generation length (explicit arguments win);
 * ``batch_size``: prompts decoded together; ``mc_num`` / ``mc_batch_size`` / ``cfg`` / ``is_check_greedy``:
@@ -84,6 +85,15 @@ def _to_int(value: Any) -> int:
         raise ValueError(f"expected an integer, got {value!r}") from None
 
 
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
 def _optional(convert):
     return lambda value: None if value is None else convert(value)
 
@@ -117,8 +127,8 @@ class ModelArgs:
     gen_length: int | None = attrs.field(default=None, converter=_optional(_to_int), validator=v.optional(_positive))
     block_length: int | None = attrs.field(default=None, converter=_optional(_to_int), validator=v.optional(_positive))
     steps: int | None = attrs.field(default=None, converter=_optional(_to_int), validator=v.optional(_positive))
-    threshold: float | None = attrs.field(default=None, converter=_optional(float))
-    temperature: float = attrs.field(default=0.0, converter=float, validator=v.ge(0.0))
+    threshold: float | None = attrs.field(default=None, converter=_optional(_to_float))
+    temperature: float = attrs.field(default=0.0, converter=_to_float, validator=v.ge(0.0))
     seed: int = attrs.field(default=0, converter=_to_int)
     stop_at_eos: bool = attrs.field(default=True, converter=_to_bool)
     dtype: str | None = attrs.field(default=None, validator=v.optional(v.in_(("float32", "bfloat16", "float16"))))
@@ -129,7 +139,7 @@ class ModelArgs:
     max_batch_size: int | None = None  # lm-eval passes it; batches are batch_size
     mc_num: int = attrs.field(default=128, converter=_to_int, validator=_positive)
     mc_batch_size: int = attrs.field(default=32, converter=_to_int, validator=_positive)
-    cfg: float = attrs.field(default=0.0, converter=float, validator=v.ge(0.0))
+    cfg: float = attrs.field(default=0.0, converter=_to_float, validator=v.ge(0.0))
     is_check_greedy: bool = attrs.field(default=False, converter=_to_bool)
     add_special_tokens: bool | None = attrs.field(default=None, converter=_optional(_to_bool))
     chat: bool | None = attrs.field(default=None, converter=_optional(_to_bool))
@@ -167,7 +177,47 @@ class ModelArgs:
                     fields[name].converter(value)
             except ValueError as err:
                 raise ValueError(f"model argument {name}: {err}") from None
-        return cls(**given), stage
+        try:
+            return cls(**given), stage
+        except (TypeError, ValueError) as err:  # a range or a rule across arguments (attrs puts a tuple in a TypeError)
+            text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
+            raise ValueError(f"model arguments: {' '.join(text.split())}") from None
+
+
+def stage_overrides(args: ModelArgs, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``set.`` options and ``threshold`` over the preset's stage options (an explicit key replaces the preset's
+    optional one)."""
+    mine = dict(overrides)
+    if args.threshold is not None:
+        mine.setdefault("threshold?", args.threshold)
+    names = {k.rstrip("?") for k in mine}
+    preset = get_preset(args.preset).options if args.preset is not None else {}
+    return {**{k: val for k, val in preset.items() if k.rstrip("?") not in names}, **mine}
+
+
+def check_arguments(kwargs: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
+    """Every check of the model arguments that needs no weights, as one ValueError naming the argument: unknown or
+    malformed arguments, the plugins (imported here), the policy and its stage options, the decoding layout, an
+    explicit ``device`` this machine does not have (never a silent fallback) and a checkpoint that is not there.
+    ``polestar lm-eval`` runs it before lm-eval starts; the model runs it again when lm-eval builds it."""
+    from polestar.cli_checks import check_device
+
+    args, overrides = ModelArgs.parse(kwargs)
+    if args.plugin:  # stages and policies of a plugin, registered before the policy is assembled
+        load_plugins(split_plugin_list(args.plugin))
+    try:
+        polestar.assemble(args.policy, stage_overrides(args, overrides))
+    except ValueError as err:
+        raise ValueError(f"model argument policy={args.policy}: {err}") from None
+    block = args.block_length or (get_preset(args.preset).block_length if args.preset else 32)
+    GenerationConfig(args.gen_length or block, block, args.steps, args.temperature, args.seed, args.stop_at_eos)
+    if args.device is not None:
+        check_device(args.device)
+    try:
+        resolve_checkpoint(args.pretrained)
+    except FileNotFoundError as err:
+        raise ValueError(f"model argument pretrained={args.pretrained}: {err}") from None
+    return args, overrides
 
 
 # -- tokenizer access: the one place that knows the tokenizer's interface ------------------------------------
@@ -198,10 +248,9 @@ class PolestarLM(LM):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        args, self.overrides = ModelArgs.parse(kwargs)
+        # fail on a bad argument, policy, stage option, block layout, device or checkpoint before loading anything
+        args, self.overrides = check_arguments(kwargs)
         self.args = args
-        if args.plugin:  # stages and policies of a plugin, registered before the policy is assembled
-            load_plugins(split_plugin_list(args.plugin))
         self.preset = get_preset(args.preset) if args.preset else None
         self.policy = args.policy
         self.gen_length, self.steps = args.gen_length, args.steps
@@ -210,15 +259,8 @@ class PolestarLM(LM):
         self.batch_size = args.batch_size
         self.mc_num, self.mc_batch_size = args.mc_num, min(args.mc_batch_size, args.mc_num)
         self._chat_applied = False
-        # fail on a bad policy, stage option or block layout before loading anything
-        polestar.assemble(self.policy, self._stage_overrides())
-        GenerationConfig(self.gen_length or self.block_length, self.block_length, self.steps, args.temperature,
-                         args.seed, args.stop_at_eos)
-        device = args.device
-        if device is None or (device.startswith("cuda") and not torch.cuda.is_available()):
-            if device is not None:  # lm-eval's command line passes --device cuda by default
-                log.warning("device %s requested but CUDA is not available; using cpu", device)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        # device None: CUDA when there is a GPU, else the CPU; an explicit device was checked above
+        device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         self._rank, self._world_size = distributed.init_from_env(device)
         self._device = distributed.local_device(device)
         self.pretrained = args.pretrained
@@ -269,14 +311,8 @@ class PolestarLM(LM):
         return context
 
     def _stage_overrides(self) -> dict[str, Any]:
-        """``set.`` options and ``threshold`` over the preset's stage options (an explicit key replaces the
-        preset's optional one)."""
-        mine = dict(self.overrides)
-        if self.threshold is not None:
-            mine.setdefault("threshold?", self.threshold)
-        names = {k.rstrip("?") for k in mine}
-        preset = self.preset.options if self.preset is not None else {}
-        return {**{k: val for k, val in preset.items() if k.rstrip("?") not in names}, **mine}
+        """The stage options of this model's policy (:func:`stage_overrides`)."""
+        return stage_overrides(self.args, self.overrides)
 
     def generation_length(self, task: str | None, max_gen_toks: int | None) -> int:
         """Generation length (tokens) of a request of lm-eval task ``task`` (see the module docstring)."""

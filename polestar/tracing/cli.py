@@ -36,6 +36,7 @@ def _prompt(args) -> tuple[str, str | None, str]:
     if args.prompt is not None and args.index is not None:
         raise cc.UsageError("give --prompt or --index, not both")
     if args.prompt is not None:
+        cc.check_utf8_prompts("--prompt", [args.prompt])
         if args.task is None:
             return args.prompt, None, "prompt"
         cc.check_task_prompts(args.task, [args.prompt])
