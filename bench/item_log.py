@@ -202,11 +202,21 @@ class ItemLog:
             os.close(fd)
 
 
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | Path, data: str | bytes | None = None, writer=None) -> None:
     """Write ``path`` whole or not at all: into a temporary file in the same folder (``data``, or ``writer(tmp)``
-    for a file another library writes, e.g. a plot), flushed, then renamed over ``path``."""
+    for a file another library writes, e.g. a plot), flushed, then renamed over ``path``. The file gets the
+    permissions any tool's new file gets (``0o666`` less the umask, e.g. group- and world-readable under the usual
+    022), not the owner-only mode of a temporary file."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp" + path.suffix)
+    os.chmod(tmp, 0o666 & ~_umask())
     try:
         if writer is None:
             with os.fdopen(fd, "wb") as f:

@@ -1,15 +1,17 @@
 """A bench run's files are named from the whole ``--json`` name: the runs of a threshold sweep (``r.fd0.7``,
-``r.fd0.8``) keep their own items logs and manifests, and the table scripts read a folder of runs without
-mistaking a manifest for a run."""
+``r.fd0.8``) keep their own items logs and manifests, the table scripts read a folder of runs without mistaking
+a manifest for a run, and every file is written with the mode the umask gives (group-readable, not 0600)."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
 from polestar.bench import frontier_table, sweep_table
-from polestar.bench.item_log import all_items_paths
+from polestar.bench.item_log import all_items_paths, write_atomic
 from polestar.bench.run_files import items_path, manifest_path, result_files, run_base
 from polestar.cli import main
 
@@ -85,3 +87,15 @@ def test_the_sweep_table_skips_the_manifests(tmp_path, capsys):
     sweep_table.main(str(tmp_path))
     out = capsys.readouterr().out
     assert "pc:k2" in out and "manifest" not in out
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_run_writes_its_files_with_the_mode_any_tool_would(tmp_path, umask, capsys):
+    old = os.umask(umask)
+    try:
+        assert _run(tmp_path / "r.json", 0.9) == 0
+        write_atomic(tmp_path / "plain.txt", "x")
+    finally:
+        os.umask(old)
+    for name in ("r.json", "r.items.jsonl", "r.manifest.json", "plain.txt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name  # group-readable, not 0600
