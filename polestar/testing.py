@@ -22,6 +22,9 @@ first, as ``polestar --plugin``) and ``--polestar-checks contract,pure`` (a subs
 
     pytest -p polestar.testing --polestar-plugin mydrift.py --polestar-stage drift:hellinger
 
+With ``--polestar-stage`` and no test path, only the stage checks run (not the tests of the folder it runs in); a
+missing plugin file, an unknown stage or check is pytest's one-line usage error (exit code 4).
+
 The project's own registry-parametrized tests call the same functions.
 """
 
@@ -318,10 +321,21 @@ def _known_checks(checks: Sequence[str], where: str = "") -> None:
         raise ValueError(f"{where}unknown checks {unknown}; checks: {', '.join(CHECKS)}")
 
 
+def _lookup(kind: str, name: str) -> None:
+    """The stage must be registered; an unknown name says how to register it (import the module that defines it)."""
+    try:
+        registry.lookup(kind, name)
+    except registry.UnknownNameError as err:
+        raise registry.UnknownNameError(f"{err}; import the module or file that registers it first, e.g. "
+                                        'polestar.load_plugin("mydrift.py") (pytest: --polestar-plugin mydrift.py)'
+                                        ) from None
+
+
 def check_stage(kind: str, name: str, checks: Sequence[str] = CHECKS) -> None:
     """Run ``checks`` (default: all of :data:`CHECKS`) on the registered stage ``kind`` / ``name``; the first
-    failure raises with a message naming the stage."""
-    registry.lookup(kind, name)
+    failure raises with a message naming the stage. The stage must be registered first (import its module, or
+    ``polestar.load_plugin("mydrift.py")``)."""
+    _lookup(kind, name)
     _known_checks(checks)
     for check in checks:
         try:
@@ -362,19 +376,51 @@ def _stage_item_class():
     return StageCheck
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:
-    specs = config.getoption("--polestar-stage", default=[]) or []
-    if not specs:
-        return
-    load_plugins(config.getoption("--polestar-plugin", default=[]) or [])
-    item_class = _stage_item_class()
-    checks = [c for c in config.getoption("--polestar-checks").split(",") if c]
-    _known_checks(checks, "--polestar-checks: ")
-    for spec in specs:
+def _stage_specs(config) -> list[tuple[str, str]]:
+    """``--polestar-stage KIND:NAME`` values as ``(kind, name)``, checked."""
+    specs = []
+    for spec in config.getoption("--polestar-stage", default=[]) or []:
         kind, sep, name = spec.partition(":")
         if not sep or not name:
             raise ValueError(f"--polestar-stage {spec!r}: write KIND:NAME, e.g. drift:hellinger")
-        registry.lookup(kind, name)
+        specs.append((kind, name))
+    return specs
+
+
+def _stage_mode(config) -> bool:
+    return bool(config.getoption("--polestar-stage", default=[]))
+
+
+def pytest_configure(config) -> None:
+    """With ``--polestar-stage``: import ``--polestar-plugin`` and check every option before collecting; a bad one
+    is pytest's one-line usage error (``ERROR: ...``, exit code 4), not an internal error."""
+    if not _stage_mode(config):
+        return
+    import pytest
+
+    try:
+        load_plugins(config.getoption("--polestar-plugin", default=[]) or [])
+        _known_checks([c for c in config.getoption("--polestar-checks").split(",") if c], "--polestar-checks: ")
+        for kind, name in _stage_specs(config):
+            _lookup(kind, name)
+    except ValueError as err:
+        raise pytest.UsageError(" ".join(str(err).split())) from None
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With ``--polestar-stage`` and no test paths on the command line, only the stage checks run: the folder's own
+    tests (its ``testpaths``, e.g. a whole project's suite) are not collected."""
+    if _stage_mode(config) and not config.getoption("file_or_dir"):
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    if not _stage_mode(config):
+        return
+    item_class = _stage_item_class()
+    checks = [c for c in config.getoption("--polestar-checks").split(",") if c]
+    for kind, name in _stage_specs(config):
         for check in checks:
             items.append(item_class.from_parent(session, name=f"polestar-stage[{kind}:{name}:{check}]", kind=kind,
                                                 stage=name, check=check))

@@ -1,8 +1,15 @@
-"""Every example of the docs (``docs/examples/*.py``, included in docs/policies.md) runs as a script: it registers
-its stage or policy, passes the ``polestar.testing`` checks it names and decodes with it."""
+"""Every example of the docs runs as written: each ``docs/examples/*.py`` (included in docs/policies.md) as a script
+(it registers its stage or policy, passes the ``polestar.testing`` checks it names and decodes with it), the
+Markdown Python blocks that need no download, and the pytest-plugin command of docs/policies.md (with the reader's
+plugin file, and without it: one usage error, nothing of the project's own suite collected)."""
 
+import os
 import re
 import runpy
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,13 +50,57 @@ ROOT = Path(__file__).parent.parent
 RUNNABLE = [("README.md", 0), ("docs/trace.md", 0), ("docs/policies.md", 0)]
 
 
+#: the reader's own plugin file the docs name: the Hellinger example, saved under that name
+PLUGIN_FILE = "mydrift.py"
+
+
 @pytest.mark.parametrize("doc, index", RUNNABLE, ids=[f"{d}#{i}" for d, i in RUNNABLE])
 def test_markdown_python_blocks_run(doc, index, tmp_path, monkeypatch, isolated_registry):
     code = _python_blocks(ROOT / doc)[index]
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary folder
-    if "hellinger" in code:  # the block checks the stage registered by the Hellinger example
-        runpy.run_path(str(ROOT / "docs" / "examples" / "drift_hellinger.py"), run_name="example")
+    if PLUGIN_FILE in code:  # the block loads the reader's plugin file, as written
+        shutil.copy(ROOT / "docs" / "examples" / "drift_hellinger.py", tmp_path / PLUGIN_FILE)
     exec(compile(code, f"{doc} python block {index}", "exec"), {"__name__": "__docs__"})
+
+
+def _bash_command(doc: str, marker: str) -> list[str]:
+    """The one command of ``doc``'s ```bash block that contains ``marker``, as argv (``pytest`` run by this
+    Python, so the venv's pytest runs it)."""
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S) if marker in b]
+    argv = shlex.split(block.strip())
+    assert argv[0] == "pytest"
+    return [sys.executable, "-m", *argv]
+
+
+def _run_quietly(argv: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this session's xdist worker
+    return subprocess.run([*argv, "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env=dict(env, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.slow
+def test_the_pytest_plugin_command_runs_as_written(tmp_path):
+    argv = _bash_command("docs/policies.md", "--polestar-stage")
+    shutil.copy(ROOT / "docs" / "examples" / "drift_hellinger.py", tmp_path / PLUGIN_FILE)
+    proc = _run_quietly(argv, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"\b5 passed\b", proc.stdout), proc.stdout[-2000:]  # one test per check, all five
+
+
+def test_the_pytest_plugin_command_without_its_file_is_one_error_and_collects_nothing_else(tmp_path):
+    argv = _bash_command("docs/policies.md", "--polestar-stage")
+    proc = _run_quietly(argv, ROOT)  # from the repository root, where mydrift.py does not exist
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr and "Traceback" not in proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR:")]
+    assert errors == ["ERROR: plugin file mydrift.py does not exist"], proc.stderr[-2000:]
+    # with the file given by its path, from the root, only the stage's checks run: not the project's own suite
+    shutil.copy(ROOT / "docs" / "examples" / "drift_hellinger.py", tmp_path / PLUGIN_FILE)
+    argv = [tmp_path / PLUGIN_FILE if a == PLUGIN_FILE else a for a in argv]
+    proc = _run_quietly([*map(str, argv), "--polestar-checks", "contract", "--co", "-q"], ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == "::polestar-stage[drift:hellinger:contract]"
+    assert "1 test collected" in proc.stdout and "tests/" not in proc.stdout
 
 
 def test_every_markdown_python_block_is_run_or_needs_a_real_model():
