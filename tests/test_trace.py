@@ -183,6 +183,21 @@ def test_the_command_writes_the_page_the_data_and_the_figures(sudoku_trace):
     assert page.count("<svg") >= 2 + 2 * 2 + 2 + 3
 
 
+def test_what_the_docs_say_about_item_0_is_what_the_command_draws(sudoku_trace):
+    """docs/trace.md describes this very trace (and shows its figures): its outputs, step counts and first
+    difference must be the command's, or the page is stale."""
+    data = json.loads((sudoku_trace / "trace.json").read_text())
+    fast, pole = ({"text": " ".join(f["text"].split()), "nfe": f["nfe"]} for f in data["figures"])
+    page = " ".join((Path(__file__).parent.parent / "docs" / "trace.md").read_text().split())
+    section = page[page.index("## fast-dllm vs polestar on tiny-llada-noisy sudoku"):page.index("Item 5 shows")]
+    assert re.search(rf"Fast-dLLM writes a wrong grid, `{fast['text']}`", section)
+    assert f"the whole decode {fast['nfe']}. Polestar" in section
+    assert f"the whole decode {pole['nfe']}, and it writes the answer, `{pole['text']}`" in section
+    assert pole["text"] == " ".join(data["reference"].split()) != fast["text"]
+    column = data["first_difference"]
+    assert f"generated position {column - data['prompt_len']}, column {column}" in section
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "fast-dllm,polestar,eb"], "one policy or two"),
     (["--policies", "fast-dllm", "--index", "0"], "--index picks an item of --task"),
