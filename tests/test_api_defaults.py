@@ -1,5 +1,6 @@
-"""``polestar.generate``'s defaults fit the model (a published checkpoint's preset, else 64 / 16 within the
-context), and ``task=`` writes prompts in the task's layout as ``polestar generate --task`` does."""
+"""``polestar.generate`` takes a model or a checkpoint name (as ``polestar.trace`` does); its defaults fit the
+model (a published checkpoint's preset, else 64 / 16 within the context), and ``task=`` writes prompts in the
+task's layout as ``polestar generate --task`` does."""
 
 import pytest
 import torch
@@ -42,3 +43,14 @@ def test_task_rejects_token_ids_and_bad_inputs(shipped_models):
         polestar.generate(model, ["hello"], task="arith")
     with pytest.raises(ValueError, match="unknown task"):
         polestar.generate(model, ["3+4"], task="nope")
+
+
+def test_generate_takes_a_checkpoint_name_as_trace_does(shipped_models, monkeypatch):
+    by_name = polestar.generate("tiny-llada", ["3+4*2-5"], task="arith", policy="fast-dllm")
+    loaded = polestar.generate(shipped_models["tiny-llada"], ["3+4*2-5"], task="arith", policy="fast-dllm")
+    assert torch.equal(by_name.tokens, loaded.tokens) and by_name.texts == loaded.texts
+    monkeypatch.setattr(polestar.api, "load", lambda *a, **k: pytest.fail("loaded before the bad input was named"))
+    with pytest.raises(ValueError, match="option 'threshold' of commit stage"):
+        polestar.generate("tiny-llada", ["3+4"], threshold="abc")
+    with pytest.raises(FileNotFoundError, match="checkpoint 'no-such-model' not found"):
+        polestar.generate("no-such-model", ["3+4"])
