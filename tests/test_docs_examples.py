@@ -109,3 +109,16 @@ def test_every_markdown_python_block_is_run_or_needs_a_real_model():
     run = {(d, i) for d, i in RUNNABLE}
     left = [(d, i) for d, n in counted.items() for i in range(n) if (d, i) not in run]
     assert left == [("docs/real-models.md", 0)], left  # loads LLaDA-8B-Instruct from a download
+
+
+def test_ci_runs_the_readme_test_command_and_the_fast_loop_is_documented():
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (setup,) = [b for b in blocks if "python -m pytest" in b and "pip install" in b]
+    command = setup.strip().split(" && ")[-1]
+    assert command.startswith("TRITON_INTERPRET=1 python -m pytest -q -n auto --dist loadfile")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command in ci  # CI runs exactly the README's command
+    (fast,) = [b.strip() for b in blocks if "not slow" in b]
+    assert fast == f'{command} -m "not slow"'
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'test = \[[^\]]*"pytest-xdist>=3"', pyproject)  # -n comes with the test extra
