@@ -55,7 +55,6 @@ def decode(
     gen = acquire_generation(model, prompt_ids, attention_mask, pipeline, config, stop_ids)
     try:
         runner = runner if runner is not None else StepRunner(compile, prompt_ids.device, pipeline)
-        runner.mark_static(gen)
         compiled_before = runner.compiled_steps
         meter = _RunMeter()
         start_time = time.perf_counter()
@@ -66,6 +65,7 @@ def decode(
         with runner.running():
             while block is not None:
                 begin_block(gen, block, global_step)
+                runner.mark_static(gen)  # a block may allocate buffers (a new window size): marked before use
                 work, global_step = _run_block(gen, runner, block, global_step, meter, on_step)
                 block = _next_block(work, block)
         if model.device.type == "cuda":

@@ -376,7 +376,8 @@ class StepRunner:
     def mark_static(self, gen: Generation) -> None:
         """Pin the addresses of every persistent buffer of ``gen`` (:func:`persistent_tensors`) for CUDA graphs:
         they are written in place, never reallocated, and reused by the next generation of the same shape. Unguarded
-        (a buffer of another generation re-records the graph; it does not recompile it)."""
+        (a buffer of another generation re-records the graph; it does not recompile it). Called at every block start
+        (a block may allocate buffers); buffers already marked are left as they are."""
         if not self.compile or not self.static_addresses:
             return
         for t in persistent_tensors(gen):

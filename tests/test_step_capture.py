@@ -1,32 +1,56 @@
-"""Every registered policy decodes with one host read per step, eagerly and compiled, and every compiled step runs
-through one captured graph (no eager step, no graph break), with the same tokens and counters as eager.
+"""Every registered policy decodes with one host read per step, eagerly and compiled, and every compiled step is a
+graph a CUDA graph can replay: captured whole, mutating only static addresses, with no int input, one graph per
+step phase, and nothing read after the next step overwrote it.
 
-The capture checks use the ``eager`` backend of ``torch.compile``: dynamo traces each step whole
-(``fullgraph=True`` raises at the first graph break) without inductor's code generation, so every policy is
-checked in seconds; ``tests/test_compile.py`` compiles a few policies with inductor. The LLaDA shape runs every
-registered policy; the Dream shape runs one policy per registered refresh and commit stage."""
+The compiled runs use :class:`polestar.graph_rules.GraphProbe`: dynamo (``fullgraph=True``: any graph break fails)
+and AOT tracing exactly as inductor gets the graph, without inductor's code generation, so every policy is checked
+in seconds. The generation's buffers are marked as static addresses as on CUDA, and the probe poisons every tensor a
+step returned once the next step has run, as the next replay of a CUDA graph would; tokens and every counter must
+still equal eager decoding. ``tests/test_compile.py`` compiles a few policies with inductor.
+
+The LLaDA shape runs every registered policy at batch 1 (five blocks, no stop at EOS: the window refresh of block
+index 3 is reached) and at batch 3 with mixed prompt lengths (stop at EOS), and again with the ``trace`` and
+``anatomy`` observers, whose records must equal eager ones; the Dream shape runs one policy per registered refresh
+and commit stage.
+"""
 
 import pytest
 import torch
 
 import polestar
+from polestar.bench.anatomy import CommitRecorder
 from polestar.config import GenerationConfig
 from polestar.engine import decode
+from polestar.graph_rules import GraphProbe
 from polestar.policy import assemble, policy_names
 from polestar.step import StepRunner
+from polestar.tracing.record import TraceRecorder
 from tests.conftest import make_model
 from tests.host_reads import count_host_reads
 
-PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4]]
-CONFIG = GenerationConfig(gen_length=24, block_length=8, stop_at_eos=True)
+PROMPTS = {1: [[5, 7, 1, 3, 9, 2, 4]], 3: [[5, 7, 1, 3, 9, 2, 4], [3, 4], [8, 8, 2, 6]]}
+CONFIGS = {1: GenerationConfig(gen_length=20, block_length=4, stop_at_eos=False),
+           3: GenerationConfig(gen_length=20, block_length=4, stop_at_eos=True)}
 COUNTERS = ("token_layer_evals", "proxy_query_evals", "weight_bytes", "kv_bytes", "nfe", "tokens")
 
+#: graphs per policy on the LLaDA shape at batch 1 (five blocks): one per step phase the policy meets. Pinned so
+#: that a change that splits a phase (a new graph per block or step) shows here.
+GRAPHS_AT_BATCH_1 = {
+    "baseline": 1, "parallel": 1, "fast-dllm-prefix": 6, "fast-dllm": 2, "elastic-cache": 2, "dllm-cache": 3,
+    "polestar-cache": 6, "polestar-commit": 2, "polestar": 6, "eb": 2, "klass": 2,
+}
 
-@pytest.fixture(scope="module", params=["llada", "dream"])
-def small_model(request):
-    # two LLaDA layers cover the packet handed from one layer to the next; one Dream layer covers the shifted
-    # logits and grouped K/V at half the tracing time
-    return make_model(request.param, seed=11, n_layers=2 if request.param == "llada" else 1, d_model=32)
+
+class PhaseRunner(StepRunner):
+    """A :class:`StepRunner` that keeps the distinct step phases it ran."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phases: set = set()
+
+    def __call__(self, gen, phase):
+        self.phases.add(phase)
+        return super().__call__(gen, phase)
 
 
 def _one_policy_per_stage() -> list[str]:
@@ -42,49 +66,119 @@ def _one_policy_per_stage() -> list[str]:
     return chosen
 
 
-def _decode(model, policy: str, compile, overrides=None):
+_MODELS: dict = {}
+
+
+def _model(family: str):
+    if family not in _MODELS:  # two LLaDA layers cover the packet handed from one layer to the next; one Dream
+        # layer covers the shifted logits and grouped K/V at half the tracing time
+        _MODELS[family] = make_model(family, seed=11, n_layers=2 if family == "llada" else 1, d_model=32)
+    return _MODELS[family]
+
+
+def _decode(model, policy: str, batch: int, compile, overrides=None, on_step=None):
     pipeline = assemble(policy, {"threshold?": 0.3, **(overrides or {})})
-    ids, mask = polestar.api.encode_prompts(model, PROMPTS)
-    runner = StepRunner(compile, ids.device, pipeline)
+    ids, mask = polestar.api.encode_prompts(model, PROMPTS[batch])
+    runner = PhaseRunner(compile, ids.device, pipeline, static_addresses=True)
     with count_host_reads() as reads:
-        tokens, stats = decode(model, ids, mask, pipeline, CONFIG, runner=runner)
+        tokens, stats = decode(model, ids, mask, pipeline, CONFIGS[batch], runner=runner, on_step=on_step)
     return tokens, stats, runner, reads
 
 
-CAPTURE_CASES = [("llada", p, {}) for p in policy_names()] + [("dream", p, {}) for p in _one_policy_per_stage()]
-# Polestar's block start clusters every layer in one call after the forward on a CPU (the default there); the
-# route a GPU takes by default, each layer clustered inside its pass, is captured too
-CAPTURE_CASES += [(f, "polestar", {"cluster_layers_together": False}) for f in ("llada", "dream")]
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {}
-
-
-@pytest.mark.parametrize("family, policy, overrides", CAPTURE_CASES,
-                         ids=[f"{f}-{p}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, p, o in CAPTURE_CASES])
-def test_one_host_read_per_step_and_every_step_captured(models, family, policy, overrides):
-    if family not in models:  # built once per module, as the small_model fixture does
-        models[family] = make_model(family, seed=11, n_layers=2 if family == "llada" else 1, d_model=32)
-    small_model = models[family]
-    eager_tokens, eager_stats, eager_runner, eager_reads = _decode(small_model, policy, False, overrides)
+def _check_against_eager(model, policy: str, batch: int, overrides=None) -> tuple[GraphProbe, PhaseRunner]:
+    eager_tokens, eager_stats, eager_runner, eager_reads = _decode(model, policy, batch, False, overrides)
     # one read per step (which blocks have work left), one before the first step, one for the final counters
     assert len(eager_reads) == eager_stats.nfe + 2, eager_reads
     assert eager_runner.eager_steps == eager_stats.nfe and eager_runner.compiled_steps == 0
-    _decode(small_model, policy, "eager", overrides)  # trace every step variant once
-    tokens, stats, runner, reads = _decode(small_model, policy, "eager", overrides)
-    assert runner.eager_steps == 0 and runner.compiled_steps == stats.nfe > 0
+    probe = GraphProbe(poison=True)
+    _decode(model, policy, batch, probe, overrides)  # compiles every step phase met (tracing reads the host)
+    graphs = len(probe.graphs)
+    tokens, stats, runner, reads = _decode(model, policy, batch, probe, overrides)  # reuses graphs and buffers
+    assert len(probe.graphs) == graphs  # a second generation of the same shape compiles nothing
+    assert runner.eager_steps == 0 and runner.compiled_steps == stats.nfe == probe.calls // 2 > 0
     assert stats.compiled_steps == stats.nfe and eager_stats.compiled_steps == 0
     assert len(reads) == stats.nfe + 2, reads
     assert tokens.tolist() == eager_tokens.tolist()
     assert [getattr(stats, c) for c in COUNTERS] == [getattr(eager_stats, c) for c in COUNTERS]
     assert stats.sequences == eager_stats.sequences
+    assert probe.problems() == []
+    assert len(probe.graphs) == len(runner.phases)  # one graph per step phase, none per block or step
+    return probe, runner
 
 
-def test_a_stage_that_cannot_be_compiled_runs_every_step_eagerly(small_model):
+CASES = [("llada", p, 1, {}) for p in policy_names()] + [("llada", p, 3, {}) for p in policy_names()]
+CASES += [("dream", p, 3, {}) for p in _one_policy_per_stage()]
+# Polestar's block start clusters every layer in one call after the forward on a CPU (the default there); the route
+# a GPU takes by default, each layer clustered inside its pass, is captured too
+CASES += [(f, "polestar", 3, {"cluster_layers_together": False}) for f in ("llada", "dream")]
+
+
+@pytest.mark.parametrize("family, policy, batch, overrides", CASES,
+                         ids=[f"{f}-{p}-b{b}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, p, b, o in CASES])
+def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, batch, overrides):
+    probe, runner = _check_against_eager(_model(family), policy, batch, overrides)
+    if family == "llada" and batch == 1 and not overrides and policy in GRAPHS_AT_BATCH_1:
+        assert len(probe.graphs) == GRAPHS_AT_BATCH_1[policy], sorted(map(str, runner.phases))
+
+
+def test_every_registered_policy_has_a_pinned_graph_count():
+    assert set(GRAPHS_AT_BATCH_1) >= set(policy_names()) - _plugin_policies()
+
+
+def _plugin_policies() -> set[str]:
+    """Policies registered from outside the package (tests' plugins), which pin no graph count."""
+    from polestar.policy import _ORIGINS
+
+    return {name for name, origin in _ORIGINS.items() if not origin.startswith("polestar")}
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_observers_get_copies_that_outlive_the_next_step(policy):
+    """The ``trace`` and ``anatomy`` observers keep what each step showed them while later steps overwrite every
+    tensor a step returned: their records equal eager decoding's."""
+    model = _model("llada")
+
+    def observe(compile):
+        trace, anatomy = TraceRecorder(threshold=0.3, n_layers=model.spec.n_layers), CommitRecorder()
+        records = []  # the raw records, kept to the end of the run
+
+        def all_three(record):
+            trace(record)
+            anatomy(record)
+            records.append(record)
+
+        tokens, stats, runner, _ = _decode(model, policy, 3, compile, on_step=all_three)
+        return tokens, trace.steps, dict(anatomy.counts), [_plain(r) for r in records], runner
+
+    probe = GraphProbe(poison=True)
+    tokens, traces, counts, records, runner = observe(probe)
+    eager_tokens, eager_traces, eager_counts, eager_records, _ = observe(False)
+    assert runner.compiled_steps > 0 and probe.problems() == []
+    assert tokens.tolist() == eager_tokens.tolist()
+    assert traces == eager_traces
+    assert counts == eager_counts
+    assert records == eager_records
+
+
+def _plain(obj):
+    """A record's tensors (NamedTuples, tuples, dicts, attrs classes) as nested lists, read at the end of a run."""
+    import attrs
+
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, (tuple, list)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if attrs.has(type(obj)):
+        return {f.name: _plain(getattr(obj, f.name)) for f in attrs.fields(type(obj))}
+    return obj
+
+
+def test_a_stage_that_cannot_be_compiled_runs_every_step_eagerly():
+    model = _model("llada")
     pipeline = assemble("polestar", {"offload": "cpu"})
     runner = StepRunner(True, torch.device("cpu"), pipeline)
-    ids, mask = polestar.api.encode_prompts(small_model, PROMPTS)
-    _, stats = decode(small_model, ids, mask, pipeline, CONFIG, runner=runner)
+    ids, mask = polestar.api.encode_prompts(model, PROMPTS[3])
+    _, stats = decode(model, ids, mask, pipeline, CONFIGS[3], runner=runner)
     assert not runner.compile and runner.eager_steps == stats.nfe and runner.compiled_steps == 0

@@ -1,0 +1,136 @@
+"""The rules a compiled step must follow to be replayed as a CUDA graph, checked on any device.
+
+On CUDA, ``torch.compile(mode="reduce-overhead")`` records each graph once and replays it (cudagraph trees). It
+replays only a graph whose mutated inputs are all static addresses (parameters, buffers, tensors marked with
+``torch._dynamo.mark_static_address``), it keeps one recording per distinct value of every int graph input, and a
+replay overwrites the outputs of the previous one. :class:`GraphProbe` is a ``torch.compile`` backend that traces
+each graph with dynamo and AOT autograd exactly as inductor would (the same functionalized graph and input
+metadata), generates no code, runs the traced graph eagerly, and records per graph:
+
+* the inputs it mutates and which of them are static (:attr:`GraphReport.mutated_not_static`: must be empty);
+* the int and SymInt inputs (:attr:`GraphReport.int_inputs`: must be empty);
+
+and, with ``poison=True``, overwrites every tensor a call returned as soon as the next call has run (NaN, an
+out-of-range index, flipped booleans), as the next replay of a CUDA graph would: a decoder that still reads an
+earlier step's output then gives other tokens or fails.
+
+Use it as ``StepRunner(GraphProbe(), device, pipeline, static_addresses=True)`` (static addresses marked as on
+CUDA), or through ``polestar.testing``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+
+class GraphReport(NamedTuple):
+    """One compiled graph as a CUDA graph would see it: ``name`` (``graph 0``, ``graph 1``, ... in compile order);
+    ``inputs``: the graph's input names (parameters, then dynamo's sources); ``mutated``: inputs it writes;
+    ``static``: inputs with static addresses; ``int_inputs``: int or SymInt inputs."""
+
+    name: str
+    inputs: tuple[str, ...]
+    mutated: tuple[str, ...]
+    static: tuple[str, ...]
+    int_inputs: tuple[str, ...]
+
+    @property
+    def mutated_not_static(self) -> tuple[str, ...]:
+        """Mutated inputs without a static address (any one makes cudagraph trees skip the graph)."""
+        static = set(self.static)
+        return tuple(name for name in self.mutated if name not in static)
+
+    def problems(self) -> list[str]:
+        """What would keep this graph from being replayed as a CUDA graph, one line each (empty: nothing)."""
+        out = []
+        if self.mutated_not_static:
+            out.append(f"{self.name}: mutates inputs without a static address: {', '.join(self.mutated_not_static)}")
+        if self.int_inputs:
+            out.append(f"{self.name}: int inputs (one CUDA graph per value): {', '.join(self.int_inputs)}")
+        return out
+
+
+class GraphProbe:
+    """A ``torch.compile`` backend (dynamo + AOT tracing, no code generation) that reports every graph it is given
+    as a :class:`GraphReport` in :attr:`graphs` and, with ``poison``, overwrites each call's outputs once the next
+    call has run (see the module docstring). ``calls``: how many times compiled graphs ran."""
+
+    def __init__(self, poison: bool = False):
+        self.poison = poison
+        self.graphs: list[GraphReport] = []
+        self.calls = 0
+        self._pending: list[torch.Tensor] = []
+
+    def problems(self) -> list[str]:
+        """Every graph's :meth:`GraphReport.problems`."""
+        return [p for g in self.graphs for p in g.problems()]
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        name = f"graph {len(self.graphs)}"
+        sources = [_source_name(node) for node in gm.graph.find_nodes(op="placeholder")]
+        ints = tuple(src for src, x in zip(sources, example_inputs) if isinstance(x, (int, torch.SymInt)))
+
+        def inspect(fx_gm: torch.fx.GraphModule, inputs):
+            meta = torch._guards.TracingContext.get().fw_metadata
+            n_lifted = len(meta.input_info) - len(sources)
+            names = [f"parameter {i}" for i in range(n_lifted)] + sources
+            mutated = tuple(names[i] for i, info in enumerate(meta.input_info) if info.mutates_data
+                            or info.mutates_metadata)
+            static = tuple(names[i] for i in sorted(set(meta.static_input_indices or ())))
+            self.graphs.append(GraphReport(name, tuple(names), mutated, static, ints))
+            return make_boxed_func(fx_gm.forward)
+
+        compiled = aot_autograd(fw_compiler=inspect)(gm, example_inputs)
+
+        def run(*args):
+            out = compiled(*args)
+            self.calls += 1
+            if self.poison:
+                self._poison_pending()
+                self._pending = _owned_outputs(out, args)
+            return out
+
+        return run
+
+    def _poison_pending(self) -> None:
+        for t in self._pending:
+            poison_(t)
+        self._pending = []
+
+
+def poison_(t: torch.Tensor) -> None:
+    """Overwrite ``t`` in place with values no decoder should read: NaN for floats, an out-of-range index for
+    integers, the opposite for booleans."""
+    with torch.no_grad():
+        if t.dtype == torch.bool:
+            t.logical_not_()
+        elif t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        else:
+            t.fill_(torch.iinfo(t.dtype).max // 2)
+
+
+def _owned_outputs(out, args) -> list[torch.Tensor]:
+    """The tensors among a graph's outputs that own their memory: not an input nor a view of one (cudagraph trees
+    hand inputs and their views back as they are; only the graph's own outputs are overwritten by a replay)."""
+    inputs = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+    flat = out if isinstance(out, (list, tuple)) else [out]
+    owned, seen = [], set()
+    for t in flat:
+        if isinstance(t, torch.Tensor) and _storage(t) not in inputs and _storage(t) not in seen:
+            seen.add(_storage(t))
+            owned.append(t)
+    return owned
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else id(t)
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    source = getattr(node, "_dynamo_source", None)
+    return source.name if source is not None else node.name
