@@ -1,17 +1,32 @@
-"""GPU check (one H100/H200, no download, < 8 minutes), run by ``bench/gpu/check.sh``.
+"""GPU check, run by ``bench/gpu/check.sh``: one offline command on a machine with one H100 / H200 (or A100), < 8 minutes.
 
+0. The device: its name, compute capability and HBM bandwidth figure, whether ``quant='fp8'`` may be compiled on
+   it (:func:`polestar.device_support.fp8_compile_blocker`) and whether step 6 (Triton kernels) can run.
 1. Writes an LLaDA-8B-Instruct-shaped checkpoint (the published config.json and tokenizer files, random bf16
    weights, sharded) and loads it with ``polestar.load`` straight onto the device: load time and peak device
    memory against the weights (bound 1.05x).
 2. One full forward per batch size against the weight-bandwidth bound (weight bytes / HBM bandwidth).
-3. Step time and tokens per second of ``baseline``, ``fast-dllm`` and ``polestar``, eager and compiled, batch 1
-   and 16, with the peak device memory of each run. Random weights make confidences meaningless, so every
-   policy runs with the same fixed commit schedule (``commit=topk``, two tokens per step); only the refresh
-   differs.
-4. Triton kernels against their references (optional: skipped, with the reason and what to install, when
-   triton is missing, or off CUDA without ``TRITON_INTERPRET=1``; checked before step 1).
+3. Eager rows: every policy of :data:`POLICIES` at batch 1 and 16 on that model. Random weights make confidences
+   meaningless, so every policy commits on the same fixed schedule (``commit=topk``, two tokens per step); only the
+   refresh differs. Each row gives ms per step against the step's weight-bandwidth bound (the weight bytes the
+   step reads, as the engine counts them, over the HBM bandwidth), tokens per second and peak device memory.
+4. Compiled rows: the ``--compile-policies`` (default ``baseline`` and ``polestar``), eager and compiled side by
+   side, on a model of the same width with ``--compile-layers`` layers (default 4, built in memory on the device),
+   so that the compiles fit the time budget: a step's graph holds every layer, and tracing grows with them. Each
+   compiled row counts, during its timed run, the real CUDA-graph replays (calls of
+   ``torch.cuda.CUDAGraph.replay``, through which cudagraph trees replay a recorded graph) and graph recordings
+   (``CUDAGraph.capture_begin``), and over its warm-up and run Inductor's cudagraph skips
+   (``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``) with the reasons Inductor gave.
+5. ``quant='fp8'`` compiled: one ``polestar`` row where the device allows it, else the refusal, in one line.
+6. Triton kernels against their torch references at the shapes one step launches them with: milliseconds and the
+   largest difference (optional: skipped, with the reason and what to install, when triton is missing, or off
+   CUDA without ``TRITON_INTERPRET=1``).
 
-``--tiny`` runs the same steps at a narrow width and depth on any device (the CPU test in tests/test_gpu_check.py).
+A row that would start after ``--budget`` seconds (default 450) is skipped with a line saying so.
+
+``--tiny`` runs the same steps at a narrow width and depth on any device (tests/test_gpu_check.py); on a CPU its
+compiled rows use the ``"eager"`` compile backend (dynamo captures each step whole, no code is generated) unless
+``--compile-backend`` says otherwise.
 """
 
 from __future__ import annotations
@@ -31,10 +46,18 @@ import torch
 
 import polestar
 from polestar.bench.item_log import write_atomic
+from polestar.device_support import fp8_compile_blocker
 from polestar.fixtures import write_published_checkpoint
 from polestar.kernels.drift import kl_drift, reference_kl_drift
 from polestar.kernels.kmeans import kmeans_assign, reference_kmeans_assign
-from polestar.kernels.quant import nvfp4_quantize, reference_nvfp4_quantize
+from polestar.kernels.proxy_attention import proxy_attention, reference_proxy_attention
+from polestar.kernels.quant import (
+    nvfp4_dequantize,
+    nvfp4_quantize,
+    reference_nvfp4_dequantize,
+    reference_nvfp4_quantize,
+)
+from polestar.models.published import published_model
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 #: device-memory bound of loading, as a multiple of the weights
@@ -42,6 +65,12 @@ LOAD_BOUND = 1.05
 #: --tiny: a narrow LLaDA (the published config with these keys replaced)
 TINY_WIDTH = {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 128}
 POLICIES = ("baseline", "fast-dllm", "elastic-cache", "polestar")
+#: compiled by default (step 4): the plainest step and the project's own
+COMPILE_POLICIES = ("baseline", "polestar")
+#: Polestar's defaults the kernel shapes of step 6 follow: clusters per layer, window blocks (2 before, 1 after)
+N_CLUSTERS, WINDOW_BLOCKS = 8, 3
+HEADER = (f"{'policy':13s} {'batch':>5s} {'layers':>6s} {'mode':>8s} {'ms/step':>8s} {'bound':>7s} {'x bound':>7s} "
+          f"{'TPS':>8s} {'nfe':>4s} {'compiled':>8s} {'replays':>7s} {'recorded':>8s} {'skips':>5s} {'peak GB':>7s}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,11 +78,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="narrow width, 2 layers, short sequences (CPU-testable)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--layers", type=int, default=None, help="depth (default 32, --tiny 2)")
+    ap.add_argument("--layers", type=int, default=None, help="depth of the checkpoint (default 32, --tiny 2)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256, --tiny 8)")
     ap.add_argument("--gen", type=int, default=None, help="generated tokens (default 128, --tiny 16)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16; --tiny 1,2)")
     ap.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="eager rows of step 3 (comma-separated)")
+    ap.add_argument("--compile-policies", default=",".join(COMPILE_POLICIES), help="policies of step 4")
+    ap.add_argument("--compile-layers", type=int, default=None,
+                    help="depth of step 4's model (default 4, at most --layers)")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend of step 4 (default inductor; --tiny on a CPU: eager)")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
+                    help="dtype the checkpoint loads in (default bfloat16; --tiny on a CPU: float32, as bf16 matmuls "
+                         "are emulated there)")
+    ap.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                    help="step 5: a compiled polestar row with quant=fp8 where the device allows it")
+    ap.add_argument("--budget", type=float, default=450.0,
+                    help="seconds after which no further row starts (default 450: check.sh allows 480)")
     ap.add_argument("--workdir", default=None, help="where to write the checkpoint (default: a temporary dir)")
     ap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json", help="also write the rows")
     args = ap.parse_args(argv)
@@ -62,16 +104,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.gen = args.gen or (16 if args.tiny else 128)
     args.batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,16")).split(",")]
     args.modes = [m.strip() for m in args.modes.split(",")]
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    args.compile_policies = [p.strip() for p in args.compile_policies.split(",") if p.strip()]
+    args.compile_layers = min(args.compile_layers or 4, args.layers)
+    if args.dtype is None:
+        args.dtype = "float32" if args.tiny and torch.device(args.device).type == "cpu" else "bfloat16"
+    if args.compile_backend is None:
+        args.compile_backend = "eager" if args.tiny and torch.device(args.device).type == "cpu" else "inductor"
     bad = [m for m in args.modes if m not in ("eager", "compiled")]
     if bad:
         ap.error(f"--modes takes eager and/or compiled, got {bad}")
+    unknown = sorted(set(args.policies + args.compile_policies) - set(polestar.policy_names()))
+    if unknown:
+        ap.error(f"unknown policies {unknown}; known: {', '.join(polestar.policy_names())}")
     if args.gen % 32 and not args.tiny:
         ap.error("--gen must be a multiple of the block length 32")
     return args
 
 
 def kernel_step_blocker(device: torch.device) -> str | None:
-    """Why step 4 (Triton kernels) cannot run here, with what to do about it; None when it can."""
+    """Why step 6 (Triton kernels) cannot run here, with what to do about it; None when it can."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed; pip install triton (or pip install -e '.[triton]') to run it"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -103,13 +155,81 @@ def bandwidth(device: torch.device) -> float | None:
     return next((v for k, v in HBM_BYTES_PER_S.items() if k in name), 3.35e12)
 
 
-def load_checkpoint(directory: Path, device: torch.device) -> tuple[torch.nn.Module, dict]:
-    """Load onto ``device``; returns the model and the load facts (seconds, weight bytes, peak device bytes)."""
+def describe_device(device: torch.device) -> str:
+    """One line: the device's name, compute capability and HBM figure (CUDA), or its type."""
+    if device.type != "cuda":
+        return f"# device: {device.type} (no CUDA graphs, no bandwidth bound)"
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"# device: {torch.cuda.get_device_name(device)}, sm_{major}{minor}, HBM figure "
+            f"{bandwidth(device) / 1e12:.2f} TB/s")
+
+
+class GraphEvents:
+    """Counts, while active, CUDA-graph replays (calls of ``torch.cuda.CUDAGraph.replay``, through which cudagraph
+    trees replay a recorded graph), recordings (``CUDAGraph.capture_begin``) and Inductor's cudagraph skips (how
+    much ``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]`` grew, and the messages Inductor logged for
+    them, in ``reasons``). Everything is counted from outside the library: torch's classes and functions are
+    wrapped for the duration of the block and restored after it."""
+
+    #: modules that import Inductor's skip logger by name (each binding is wrapped)
+    SKIP_LOGGER_MODULES = ("torch._inductor.cudagraph_utils", "torch._inductor.cudagraph_trees",
+                           "torch._inductor.output_code", "torch._dynamo.backends.cudagraphs")
+
+    def __init__(self):
+        self.replays = self.recordings = self.skips = 0
+        self.reasons: list[str] = []
+        self._undo: list[Callable[[], None]] = []
+
+    def _wrap(self, owner, name: str, make: Callable[[Callable], Callable]) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def __enter__(self) -> GraphEvents:
+        from torch._dynamo.utils import counters
+
+        def counting(field: str) -> Callable[[Callable], Callable]:
+            def make(original):
+                def wrapper(graph, *args, **kwargs):
+                    setattr(self, field, getattr(self, field) + 1)
+                    return original(graph, *args, **kwargs)
+                return wrapper
+            return make
+
+        def logging_reason(original):
+            def wrapper(msg, *args, **kwargs):
+                self.reasons.append(str(msg))
+                return original(msg, *args, **kwargs)
+            return wrapper
+
+        self._wrap(torch.cuda.CUDAGraph, "replay", counting("replays"))
+        self._wrap(torch.cuda.CUDAGraph, "capture_begin", counting("recordings"))
+        for name in self.SKIP_LOGGER_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # pragma: no cover - a torch without that module
+                continue
+            if hasattr(module, "log_cudagraph_skip_and_bump_counter"):
+                self._wrap(module, "log_cudagraph_skip_and_bump_counter", logging_reason)
+        self._counters = counters
+        self._skips_before = counters["inductor"]["cudagraph_skips"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.skips = self._counters["inductor"]["cudagraph_skips"] - self._skips_before
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def load_checkpoint(directory: Path, device: torch.device, dtype: str = "bfloat16") -> tuple[torch.nn.Module, dict]:
+    """Load onto ``device`` in ``dtype``; returns the model and the load facts (seconds, weight bytes, peak device
+    bytes)."""
     sync = synced(device)
     reset_peak(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     start = time.perf_counter()
-    model = polestar.load(directory, device=device)
+    model = polestar.load(directory, dtype=dtype, device=device)
     sync()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     facts = {"load_s": time.perf_counter() - start, "weight_bytes": weights, "peak_bytes": peak_memory(device) - before}
@@ -129,51 +249,99 @@ def time_forward(model, ids: torch.Tensor, reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def policy_rows(model, args, device: torch.device) -> list[dict]:
-    """Step time, TPS, NFE and peak memory of each policy, mode and batch size (printed and returned)."""
-    rows = []
-    block = min(32, args.gen)
-    for batch in args.batches:
-        prompts = torch.randint(0, 126000, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
-        for policy in POLICIES:
-            for mode in args.modes:
-                kw = dict(policy=policy, gen_length=args.gen, block_length=block, steps=args.gen // 2,
-                          commit="topk", stop_at_eos=False, compile=mode == "compiled")
-                polestar.generate(model, prompts, **kw)  # warm-up / compile
-                reset_peak(device)
-                out = polestar.generate(model, prompts, **kw)
-                s = out.stats
-                rows.append({"policy": policy, "batch": batch, "mode": mode, "ms_per_step": 1e3 * s.wall_s / s.nfe,
-                             "tps": batch * args.gen / s.wall_s, "nfe": s.nfe, "peak_gb": peak_memory(device) / 1e9,
-                             "eager_steps": s.nfe - s.compiled_steps, "graph_replays": s.compiled_steps})
-                r = rows[-1]
-                print(f"{policy:10s} {batch:5d} {mode:>9s} {r['ms_per_step']:9.2f} {r['tps']:9.1f} {r['nfe']:5d} "
-                      f"{r['peak_gb']:8.2f} {r['eager_steps']:6d} {r['graph_replays']:7d}", flush=True)
-    return rows
+def decode_row(model, args, device: torch.device, policy: str, batch: int, compiled: bool, layers: int,
+               **options) -> dict:
+    """One warm-up decode (it compiles when ``compiled``) and one timed decode of ``policy`` at ``batch``; the row
+    of figures (see :data:`HEADER`), printed. Compiled rows count CUDA-graph events (:class:`GraphEvents`)."""
+    prompts = torch.randint(0, 126000, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+    kw = dict(policy=policy, gen_length=args.gen, block_length=min(32, args.gen), steps=args.gen // 2,
+              commit="topk", stop_at_eos=False, compile=(True if args.compile_backend == "inductor"
+                                                           else args.compile_backend) if compiled else False,
+              **options)
+    with GraphEvents() as warm:
+        first = polestar.generate(model, prompts, **kw)
+    reset_peak(device)
+    with GraphEvents() as timed:
+        out = polestar.generate(model, prompts, **kw)
+    s = out.stats
+    bw = bandwidth(device)
+    bound_ms = 1e3 * s.weight_bytes / s.nfe / bw if bw and s.nfe else None
+    ms = 1e3 * s.wall_s / s.nfe
+    cuda = device.type == "cuda"
+    label = policy + ("+fp8" if options.get("quant") == "fp8" else "")
+    row = {"policy": label, "batch": batch, "layers": layers, "mode": "compiled" if compiled else "eager",
+           "ms_per_step": ms, "bound_ms": bound_ms, "x_bound": ms / bound_ms if bound_ms else None,
+           "tps": batch * args.gen / s.wall_s, "nfe": s.nfe, "compiled_steps": s.compiled_steps,
+           "compile_s": first.stats.compile_s, "peak_gb": peak_memory(device) / 1e9,
+           "graph_replays": timed.replays if compiled and cuda else None,
+           "graph_recordings": timed.recordings if compiled and cuda else None,
+           "cudagraph_skips": warm.skips + timed.skips if compiled and cuda else None,
+           "skip_reasons": list(dict.fromkeys(warm.reasons + timed.reasons))}
+
+    def show(v, fmt):
+        return format(v, fmt) if v is not None else format("n/a", ">" + fmt.rstrip("dfe").split(".")[0])
+
+    print(f"{label:13s} {batch:5d} {layers:6d} {row['mode']:>8s} {ms:8.2f} {show(bound_ms, '7.2f')} "
+          f"{show(row['x_bound'], '7.2f')} {row['tps']:8.1f} {s.nfe:4d} {s.compiled_steps:8d} "
+          f"{show(row['graph_replays'], '7d')} {show(row['graph_recordings'], '8d')} "
+          f"{show(row['cudagraph_skips'], '5d')} {row['peak_gb']:7.2f}", flush=True)
+    if compiled and cuda:
+        verdict = ("every compiled step replayed a CUDA graph" if timed.replays >= s.compiled_steps > 0
+                   and not row["cudagraph_skips"] and not timed.recordings
+                   else f"{timed.replays} graph replays for {s.compiled_steps} compiled steps")
+        print(f"#   {label} b{batch}: compiled in {first.stats.compile_s:.1f} s; {verdict}", flush=True)
+        for reason in row["skip_reasons"][:3]:
+            print(f"#   cudagraph skip: {reason.splitlines()[0][:160]}", flush=True)
+    return row
 
 
 def kernel_rows(args, device: torch.device) -> list[dict]:
-    """Milliseconds of each Triton kernel and its reference on inputs shaped like one step's."""
-    scale = 1 if args.tiny else 32
-    L, d = args.prompt + args.gen, 64 if args.tiny else 4096
-    p = torch.rand(scale * scale * scale, L, device=device).softmax(-1)
-    q = torch.rand_like(p).softmax(-1)
-    x = torch.randn(scale * 96, d, device=device, dtype=torch.bfloat16)
-    c = torch.randn(scale, 8, d, device=device, dtype=torch.bfloat16)
-    xg = x.view(scale, 96, d)
-    rows = []
-    for label, fast, ref in (
-        ("kl_drift", lambda: kl_drift(p, q, backend="triton"), lambda: reference_kl_drift(p, q)),
-        ("kmeans_assign", lambda: kmeans_assign(xg, c, backend="triton"), lambda: reference_kmeans_assign(xg, c)),
-        ("nvfp4_quantize", lambda: nvfp4_quantize(x, backend="triton"), lambda: reference_nvfp4_quantize(x)),
-    ):
-        rows.append({"kernel": label, "triton_ms": 1e3 * timed(fast, device), "reference_ms": 1e3 * timed(ref, device)})
-        print(f"{label:16s} triton {rows[-1]['triton_ms']:8.3f}  reference {rows[-1]['reference_ms']:8.3f}", flush=True)
-    return rows
+    """Milliseconds of each Triton kernel and its torch reference, and their largest difference, on inputs shaped
+    as one step of Polestar gives them (the checkpoint's heads and width, the cache's key columns, the window's
+    clusters and rows, batch ``args.batches[0]``)."""
+    width = TINY_WIDTH if args.tiny else {"d_model": 4096, "n_heads": 32}
+    d, heads = width["d_model"], width["n_heads"]
+    hd, batch, keys_len = d // heads, args.batches[0], args.prompt + args.gen + 1
+    block = min(32, args.gen)
+    part = min(2 * block, keys_len)  # the window's prefix part: two blocks
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    q = randn(batch, heads, N_CLUSTERS, hd, dtype=torch.bfloat16)
+    keys = randn(batch, heads, keys_len, hd, dtype=torch.bfloat16)
+    valid = torch.ones(batch, keys_len, dtype=torch.bool, device=device)
+    p = reference_proxy_attention(q, keys, valid, hd ** -0.5)
+    p_prev = reference_proxy_attention(q, keys.roll(1, dims=2), valid, hd ** -0.5)
+    x, centroids = randn(2 * batch, part, d), randn(2 * batch, 5, d)
+    rows = randn(batch, WINDOW_BLOCKS * block + 1, d, dtype=torch.bfloat16)
+    packed = reference_nvfp4_quantize(rows, per_row=True)
+    cases = (
+        ("proxy_attention", lambda: proxy_attention(q, keys, valid, hd ** -0.5, backend="triton"),
+         lambda: reference_proxy_attention(q, keys, valid, hd ** -0.5)),
+        ("kl_drift", lambda: kl_drift(p, p_prev, backend="triton"), lambda: reference_kl_drift(p, p_prev)),
+        ("kmeans_assign", lambda: kmeans_assign(x, centroids, backend="triton"),
+         lambda: reference_kmeans_assign(x, centroids)),
+        ("nvfp4_quantize", lambda: nvfp4_quantize(rows, backend="triton", per_row=True).packed,
+         lambda: reference_nvfp4_quantize(rows, per_row=True).packed),
+        ("nvfp4_dequantize", lambda: nvfp4_dequantize(packed, backend="triton"),
+         lambda: reference_nvfp4_dequantize(packed)),
+    )
+    out = []
+    for label, fast, ref in cases:
+        diff = (fast().double() - ref().double()).abs().max().item()
+        out.append({"kernel": label, "triton_ms": 1e3 * timed(fast, device), "reference_ms": 1e3 * timed(ref, device),
+                    "max_abs_diff": diff})
+        r = out[-1]
+        print(f"{label:17s} triton {r['triton_ms']:8.3f}  torch {r['reference_ms']:8.3f}  "
+              f"x{r['reference_ms'] / max(r['triton_ms'], 1e-9):6.2f}  max |diff| {diff:.3g}", flush=True)
+    return out
 
 
-def timed(fn, device: torch.device, reps: int = 3) -> float:
-    """Mean seconds of ``fn()`` over ``reps`` calls after one warm-up."""
+def timed(fn, device: torch.device, reps: int | None = None) -> float:
+    """Mean seconds of ``fn()`` over ``reps`` calls (default 3 on CUDA, 1 elsewhere) after one warm-up."""
+    reps = reps or (3 if device.type == "cuda" else 1)
     sync = synced(device)
     fn()
     sync()
@@ -184,53 +352,112 @@ def timed(fn, device: torch.device, reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
+class Budget:
+    """Seconds since the check started, against ``limit``: :meth:`allows` says whether a row may still start."""
+
+    def __init__(self, limit: float):
+        self.limit, self.start, self.skipped = limit, time.perf_counter(), []
+
+    def elapsed(self) -> float:
+        """Seconds since the check started."""
+        return time.perf_counter() - self.start
+
+    def allows(self, what: str) -> bool:
+        """True while under the limit; else prints (once per row) and records that ``what`` was skipped."""
+        if self.elapsed() < self.limit:
+            return True
+        self.skipped.append(what)
+        print(f"# skipped {what}: {self.elapsed():.0f} s spent of the {self.limit:.0f} s budget", flush=True)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the check; returns the exit status (1 when loading broke the memory bound, 2 without CUDA)."""
     args = parse_args(argv)
+    budget = Budget(args.budget)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but CUDA is not available; run on the GPU machine or pass --tiny --device cpu",
               file=sys.stderr)
         return 2
+    print(describe_device(device), flush=True)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # a CPU run is a test of the script: on a shared machine torch's default pool (a thread per core) spins on
+        # cores it does not get, and the tiny steps take ten times longer
+        torch.set_num_threads(1)
+        print("# cpu: 1 intra-op thread (set OMP_NUM_THREADS to choose)", flush=True)
+    fp8_blocker = fp8_compile_blocker(device)
+    print(f"# quant='fp8' with compile: {'refused: ' + fp8_blocker if fp8_blocker else 'allowed on this device'}",
+          flush=True)
     blocker = kernel_step_blocker(device)
     if blocker is not None:
-        print(f"# step 4 (Triton kernels) will be skipped: {blocker}", flush=True)
+        print(f"# step 6 (Triton kernels) will be skipped: {blocker}", flush=True)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="polestar-gpu-check-"))
+    result: dict = {"device": describe_device(device)[2:], "fp8_compile_blocker": fp8_blocker,
+                    "kernels_skipped": blocker, "policies": [], "kernels": []}
     try:
         start = time.perf_counter()
-        directory = write_published_checkpoint(workdir / "llada-8b-shaped", "llada", args.layers,
-                                               TINY_WIDTH if args.tiny else None)
+        width = TINY_WIDTH if args.tiny else None
+        directory = write_published_checkpoint(workdir / "llada-8b-shaped", "llada", args.layers, width)
         disk = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-        print(f"# wrote {args.layers}-layer LLaDA-8B-{'narrow' if args.tiny else 'shaped'} checkpoint, "
+        print(f"# step 1: wrote {args.layers}-layer LLaDA-8B-{'narrow' if args.tiny else 'shaped'} checkpoint, "
               f"{disk / 1e9:.2f} GB, in {time.perf_counter() - start:.1f} s", flush=True)
-        model, load = load_checkpoint(directory, device)
+        model, load = load_checkpoint(directory, device, args.dtype)
+        result["load"] = load
         ratio = load["peak_bytes"] / load["weight_bytes"]
-        print(f"# load: {load['load_s']:.1f} s, weights {load['weight_bytes'] / 1e9:.2f} GB, peak device memory "
+        print(f"# load ({args.dtype}): {load['load_s']:.1f} s, weights {load['weight_bytes'] / 1e9:.2f} GB, peak device memory "
               f"{load['peak_bytes'] / 1e9:.2f} GB = {ratio:.3f}x weights (bound {LOAD_BOUND}x)", flush=True)
         if device.type == "cuda" and ratio > LOAD_BOUND:
             print(f"error: loading peaked at {ratio:.3f}x the weights, above {LOAD_BOUND}x", file=sys.stderr)
             return 1
         bw = bandwidth(device)
-        forwards = []
+        result["forwards"] = []
         for batch in args.batches:
             ids = torch.randint(0, 126000, (batch, args.prompt + args.gen), device=device)
             t = time_forward(model, ids)
             bound = load["weight_bytes"] / bw if bw else None
-            forwards.append({"batch": batch, "forward_ms": 1e3 * t, "bound_ms": 1e3 * bound if bound else None})
+            result["forwards"].append({"batch": batch, "forward_ms": 1e3 * t, "bound_ms": 1e3 * bound if bound else None})
             tail = f"bound {1e3 * bound:.2f} ms ({t / bound:.2f}x)" if bound else "bound n/a (no HBM figure)"
-            print(f"# forward batch {batch}: {1e3 * t:.2f} ms, {tail}", flush=True)
-        print(f"{'policy':10s} {'batch':>5s} {'mode':>9s} {'ms/step':>9s} {'TPS':>9s} {'nfe':>5s} {'peak GB':>8s} "
-              f"{'eager':>6s} {'replays':>7s}")
-        rows = policy_rows(model, args, device)
-        kernels: list[dict] = []
+            print(f"# step 2: forward batch {batch}: {1e3 * t:.2f} ms, {tail}", flush=True)
+        rows = result["policies"]
+        if "eager" in args.modes:
+            print(f"\n# step 3: eager, {args.layers} layers (bound: the step's weight bytes / HBM bandwidth)\n{HEADER}")
+            for batch in args.batches:
+                for policy in args.policies:
+                    if budget.allows(f"{policy} eager b{batch}"):
+                        rows.append(decode_row(model, args, device, policy, batch, False, args.layers))
+        small = model
+        if "compiled" in args.modes and args.compile_policies:
+            if args.compile_layers != args.layers:
+                small = published_model("llada", args.compile_layers, width, dtype=getattr(torch, args.dtype),
+                                        device=device)
+            print(f"\n# step 4: compiled ({args.compile_backend}) at {args.compile_layers} layers "
+                  f"({'fewer than the checkpoint: each graph holds every layer' if small is not model else 'all'}); "
+                  f"eager beside it\n{HEADER}")
+            for batch in args.batches:
+                for policy in args.compile_policies:
+                    for compiled in (False, True):
+                        what = f"{policy} {'compiled' if compiled else 'eager'} b{batch} ({args.compile_layers} layers)"
+                        if budget.allows(what):
+                            rows.append(decode_row(small, args, device, policy, batch, compiled, args.compile_layers))
+        if "compiled" in args.modes and args.fp8:
+            if fp8_blocker is not None:
+                print(f"\n# step 5: quant='fp8' compiled: refused: {fp8_blocker}")
+            elif budget.allows("polestar+fp8 compiled"):
+                print(f"\n# step 5: quant='fp8' compiled at {args.compile_layers} layers\n{HEADER}")
+                rows.append(decode_row(small, args, device, "polestar", args.batches[0], True, args.compile_layers,
+                                       quant="fp8"))
         if blocker is None:
-            print("\n# kernels: triton vs reference (ms)")
-            kernels = kernel_rows(args, device)
+            print("\n# step 6: Triton kernels against torch at one step's shapes (ms)")
+            result["kernels"] = kernel_rows(args, device)
         else:
-            print(f"\n# kernels: skipped ({blocker})")
+            print(f"\n# step 6: kernels skipped ({blocker})")
+        result["skipped"] = budget.skipped
+        result["elapsed_s"] = budget.elapsed()
+        print(f"\n# done in {budget.elapsed():.0f} s" + (f"; {len(budget.skipped)} rows skipped for the budget"
+                                                        if budget.skipped else ""), flush=True)
         if args.json_out:
-            write_atomic(args.json_out, json.dumps({"load": load, "forwards": forwards, "policies": rows,
-                                                    "kernels": kernels, "kernels_skipped": blocker}, indent=1))
+            write_atomic(args.json_out, json.dumps(result, indent=1))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
