@@ -188,8 +188,8 @@ def test_check_sh_names_a_missing_triton_before_its_first_step(tmp_path):
     env = dict(os.environ, POLESTAR_SKIP_INSTALL="1", PYTHON=sys.executable, PYTHONPATH=str(tmp_path))
     run = subprocess.run(["bash", str(ROOT / "bench/gpu/check.sh"), "--tiny", "--modes", "none"], env=env,
                          capture_output=True, text=True, timeout=120)
-    assert "# triton not installed: step 4 (Triton kernels) is skipped; pip install triton" in run.stdout
-    assert "# wrote" not in run.stdout
+    assert "# triton not installed: step 6 (Triton kernels) is skipped; pip install triton" in run.stdout
+    assert "wrote" not in run.stdout
 
 
 def test_gpu_check_without_triton_skips_only_the_kernel_step(tmp_path, monkeypatch, capsys):
@@ -203,8 +203,8 @@ def test_gpu_check_without_triton_skips_only_the_kernel_step(tmp_path, monkeypat
     assert check.main(["--tiny", "--device", "cpu", "--batches", "1", "--gen", "8", "--prompt", "4", "--modes",
                        "eager", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    skip = next(i for i, line in enumerate(lines) if "step 4 (Triton kernels) will be skipped" in line)
-    assert skip < next(i for i, line in enumerate(lines) if line.startswith("# wrote"))
+    skip = next(i for i, line in enumerate(lines) if "step 6 (Triton kernels) will be skipped" in line)
+    assert skip < next(i for i, line in enumerate(lines) if line.startswith("# step 1: wrote"))
     assert "pip install triton" in lines[skip]
     rows = json.loads(out.read_text())
     assert rows["kernels"] == [] and "triton is not installed" in rows["kernels_skipped"] and rows["policies"]
