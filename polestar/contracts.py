@@ -74,8 +74,7 @@ def wanted(stage, check_stages: bool | None = None) -> bool:
 def origin(stage) -> str:
     """Where a stage from outside the package is defined (``" (defined in /path/mydrift.py)"``); empty for a
     built-in stage."""
-    from polestar.plugins import source_file
-    from polestar.registry import is_builtin
+    from polestar.registry import is_builtin, source_file
 
     cls = type(stage)
     if is_builtin(cls):

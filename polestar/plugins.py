@@ -147,23 +147,6 @@ def _remember(module: ModuleType | None) -> ModuleType | None:
     return module
 
 
-def source_file(obj) -> str | None:
-    """The source file a class or module was loaded from (resolved), or None (a notebook cell, a built-in).
-
-    For a class, the file its methods were compiled from, so a class defined by a script run as ``__main__``
-    (``runpy``, ``python mydrift.py``) names that script, not the process's main module."""
-    if isinstance(obj, ModuleType):
-        path = getattr(obj, "__file__", None)
-    else:
-        codes = [getattr(v, "__code__", None) for v in vars(obj).values()]
-        path = next((c.co_filename for c in codes if c is not None), None)
-        if path is None:
-            path = getattr(sys.modules.get(obj.__module__), "__file__", None)
-    if not path or not Path(path).is_file():
-        return None
-    return str(Path(path).resolve())
-
-
 def file_digest(path: str | Path) -> str:
     """``sha256:<hex>`` of a file's bytes."""
     return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -175,6 +158,7 @@ def plugin_sources() -> dict[str, str]:
     outside the package (:func:`polestar.registry.is_builtin`). A plugin with no source file (a notebook cell) is
     listed under ``<module name>`` with the digest ``"no source file"``. Empty without plugins."""
     from polestar import policy, registry
+    from polestar.registry import source_file
 
     sources: dict[str, str] = {}
 

@@ -10,7 +10,10 @@ The registry imports no stage: stage modules register themselves when imported. 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import attrs
@@ -61,6 +64,23 @@ def is_builtin(cls: type) -> bool:
     plugin file, an installed entry point, a notebook or a test is not."""
     module = getattr(cls, "__module__", None) or ""
     return module == PACKAGE or module.startswith(PACKAGE + ".")
+
+
+def source_file(obj) -> str | None:
+    """The source file a class or module was loaded from (resolved), or None (a notebook cell, a built-in).
+
+    For a class, the file its methods were compiled from, so a class defined by a script run as ``__main__``
+    (``runpy``, ``python mydrift.py``) names that script, not the process's main module."""
+    if isinstance(obj, ModuleType):
+        path = getattr(obj, "__file__", None)
+    else:
+        codes = [getattr(v, "__code__", None) for v in vars(obj).values()]
+        path = next((c.co_filename for c in codes if c is not None), None)
+        if path is None:
+            path = getattr(sys.modules.get(obj.__module__), "__file__", None)
+    if not path or not Path(path).is_file():
+        return None
+    return str(Path(path).resolve())
 
 
 def _identity(cls: type) -> str:

@@ -5,9 +5,12 @@ Contract: ``plan(state, cache, local)`` -> a ``Plan(index, valid, target_offset)
 same positions at every layer) or ``[n_layers, B, C]``, values in ``[0, T]`` (``T``: the cache's trash slot for an
 unused slot); ``valid`` bool of the same shape, False for unused slots and for every slot of a finished sequence
 (``state.active``); ``target_offset``: the slot whose hidden state predicts the block's first position. ``plan``
-runs inside the step: it reads Python values of ``state`` (``state.step``, ``state.block_start``) and builds
-tensors, but never reads a tensor's values on the host. Optional methods: ``allocate`` (host-side, per block),
-``hook`` (a layer hook for sparse updates), ``probe`` / ``observe`` (attention rows and bookkeeping).
+runs inside the step, which may be compiled whole: it reads positions from ``state.clock`` (device scalars) and
+the step's variant from ``state.phase.refresh``, which ``phase(position, state, local)`` computed on the host
+from the loop's position (plain ints), and builds tensors, but never reads a tensor's values on the host. Each
+distinct phase is one compiled graph, so the phase carries what sets the plan's shape. Optional methods:
+``allocate`` (host-side, per block), ``hook`` (a layer hook for sparse updates), ``probe`` / ``observe``
+(attention rows and bookkeeping).
 """
 
 import attrs
@@ -29,11 +32,19 @@ class LookaheadRefresh(RefreshSelector):
     class Config:
         lookahead: int = attrs.field(default=4, validator=attrs.validators.ge(0))
 
+    def phase(self, position, state, local=None):
+        """0 at a block's first step (a full refresh), else the span's length (the plan's shape)."""
+        if position.at_block_start:
+            return 0
+        after = min(self.config.lookahead, state.length - position.block_end)
+        return state.logit_shift + state.block_length + after
+
     def plan(self, state, cache, local=None):
-        if state.at_block_start:
+        size = state.phase.refresh
+        if size == 0:
             return block_start_plan(state)
-        end = min(state.block_end + self.config.lookahead, state.length)
-        return span_plan(state.batch_size, state.block_start - state.logit_shift, end, state.x.device, state.active)
+        start = state.clock.block_start - state.logit_shift  # a device scalar: the step never reads it on the host
+        return span_plan(state.batch_size, start, size, state.x.device, state.active)
 
 
 if __name__ == "__main__":
