@@ -125,6 +125,7 @@ def test_problem_generation_shows_progress(capsys):
     assert "problems" in err and "50/50" in err
 
 
+@pytest.mark.slow
 def test_task_folder_works_from_another_directory(tmp_path, monkeypatch):
     """Written with a relative path, read by lm-eval from another working directory."""
     from lm_eval.tasks import TaskManager, get_task_dict
@@ -181,6 +182,7 @@ def test_task_folder_over_a_file_is_refused(tmp_path):
         write_task_dir(tmp_path / "f", "arith", n=4, choices=2)
 
 
+@pytest.mark.slow
 def test_check_sh_names_a_missing_triton_before_its_first_step(tmp_path):
     """check.sh on a machine without triton says, before its first step, which step it skips and what to
     install (stopped right after by a bad --modes, so no step runs)."""
@@ -192,6 +194,7 @@ def test_check_sh_names_a_missing_triton_before_its_first_step(tmp_path):
     assert "wrote" not in run.stdout
 
 
+@pytest.mark.slow
 def test_gpu_check_without_triton_skips_only_the_kernel_step(tmp_path, monkeypatch, capsys):
     import importlib.util
 
@@ -255,6 +258,7 @@ def _bench_process(out: Path, resume: bool) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_points_loses_at_most_a_batch(tmp_path):
     """A real `polestar bench` over 100 items, killed with SIGKILL at five random points (seeded): each kill
     leaves only whole batches on disk, every batch written before the kill is reused by the next --resume, and

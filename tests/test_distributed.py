@@ -41,6 +41,7 @@ def test_shard_round_robin():
     assert distributed.init_from_env("cpu") == (0, 1)  # no launcher, no process group
 
 
+@pytest.mark.slow
 def test_bench_two_processes_equal_one(tmp_path, single):
     out = tmp_path / "dp.json"
     proc = _torchrun(["bench", "--task", "arith", "--policies", "polestar", "--num-problems", str(N),
@@ -54,6 +55,7 @@ def test_bench_two_processes_equal_one(tmp_path, single):
     assert sorted(p.name for p in tmp_path.glob("dp.items*.jsonl")) == ["dp.items.rank0.jsonl", "dp.items.rank1.jsonl"]
 
 
+@pytest.mark.slow
 def test_lm_eval_two_processes_equal_one(tmp_path, single):
     """Sharded by lm-eval itself (rank r takes docs r, r+2, ...), gathered through the model's gather_object;
     compared with the single-process items (test_lm_eval shows a one-process lm-eval run equals bench)."""

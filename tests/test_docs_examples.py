@@ -87,6 +87,7 @@ def test_the_pytest_plugin_command_runs_as_written(tmp_path):
     assert re.search(r"\b5 passed\b", proc.stdout), proc.stdout[-2000:]  # one test per check, all five
 
 
+@pytest.mark.slow
 def test_the_pytest_plugin_command_without_its_file_is_one_error_and_collects_nothing_else(tmp_path):
     argv = _bash_command("docs/policies.md", "--polestar-stage")
     proc = _run_quietly(argv, ROOT)  # from the repository root, where mydrift.py does not exist

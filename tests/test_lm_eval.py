@@ -59,6 +59,7 @@ def bench_run():
     return run_bench("tiny-llada", "arith", ["polestar"], N, {}, DECODING, batch_size=8, show_progress=False)
 
 
+@pytest.mark.slow
 def test_generation_task_equals_bench(harness_run, bench_run):
     samples = harness_run["samples"]["polestar_arith"]
     assert len(samples) == N
@@ -70,6 +71,7 @@ def test_generation_task_equals_bench(harness_run, bench_run):
     assert acc == pytest.approx(bench_run["summary"]["polestar"]["accuracy"])
 
 
+@pytest.mark.slow
 def test_counters_written_beside_results(harness_run, bench_run):
     c = harness_run["counters"]
     assert c["policy"] == "polestar" and c["world_size"] == 1
@@ -86,6 +88,7 @@ def test_counters_written_beside_results(harness_run, bench_run):
                                   "weight_bytes_per_step", "kv_bytes", "kv_bytes_per_token"}
 
 
+@pytest.mark.slow
 def test_multiple_choice_task_uses_the_mc_loglikelihood(harness_run):
     lm = harness_run["model"]
     samples = harness_run["samples"]["polestar_arith_choice"]
@@ -174,6 +177,7 @@ def test_task_files_score_with_the_task_checker(task, tmp_path):
         write_task_dir(tmp_path, task, n=2, choices=4)
 
 
+@pytest.mark.slow
 def test_import_polestar_does_not_import_lm_eval():
     import subprocess
     import sys

@@ -85,6 +85,7 @@ def test_a_plugin_that_fails_is_a_usage_error(tmp_path, isolated_registry, capsy
     assert "no module named 'hellinger_no_such_module'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_lm_eval_with_a_plugin(plugin_file, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
@@ -114,6 +115,7 @@ def _clean_env(**extra):
     return env
 
 
+@pytest.mark.slow
 def test_bench_with_a_plugin_under_torchrun(tmp_path):
     path = tmp_path / "hellinger_ranks.py"
     path.write_text(HELLINGER.format(name="hellinger"))
@@ -139,6 +141,7 @@ def _installed_package(root, entry: str) -> None:
     (info / "entry_points.txt").write_text(f"[polestar.plugins]\nhellinger = {entry}\n")
 
 
+@pytest.mark.slow
 def test_installed_package_registers_through_the_entry_point(tmp_path):
     _installed_package(tmp_path / "site", "hellinger_pkg")
     env = _clean_env(PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))

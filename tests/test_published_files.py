@@ -237,6 +237,7 @@ def _sparse_checkpoint(directory: Path, name: str, n_layers: int) -> Path:
     return directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_layers", [1, 32])
 def test_inspect_full_width_in_seconds(n_layers, tmp_path):
     """Full-width LLaDA-8B-Instruct directories (one layer: 2.6 GB of bf16 weights; 32 layers: 16 GB) are read

@@ -86,6 +86,7 @@ def _disk_bytes(directory) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FULL_WIDTH_ON_CPU)
 def test_config_is_published_but_for_depth(real_width, family):
     directory = real_width(family)
@@ -115,6 +116,7 @@ def measured(real_width):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FULL_WIDTH_ON_CPU)
 def test_peak_host_memory_while_loading(real_width, measured, family):
     m, _ = measured(family)
@@ -126,6 +128,7 @@ def test_peak_host_memory_while_loading(real_width, measured, family):
     assert ratio <= HOST_BOUND
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FULL_WIDTH_ON_CPU)
 def test_weights_logits_and_chat_at_full_width(measured, family):
     _, c = measured(family)

@@ -103,6 +103,7 @@ def test_bench_stays_out_of_the_main_run():
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]
 
 
+@pytest.mark.slow
 def test_one_cell_is_selectable():
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
                           "bench/test_bench_real_width.py", "-k", "fp32 and b1 and L2"],

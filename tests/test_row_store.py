@@ -150,6 +150,7 @@ def test_lossless_ignores_anchor_and_is_exact(quant):
     assert torch.equal(store.read_all(0), v)
 
 
+@pytest.mark.slow
 def test_compiled_read_write_equals_eager():
     """offload ``none``: ``write`` then ``read`` (anchored NVFP4 residuals) traced with ``fullgraph=True``."""
     assert registry.lookup("offload", "none").compilable and not registry.lookup("offload", "cpu").compilable

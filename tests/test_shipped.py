@@ -35,6 +35,7 @@ def test_shipped_checkpoint_has_the_real_tensor_names(shipped):
         assert "model.layers.0.self_attn.q_proj.bias" in names and "lm_head.weight" in names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_name, n, bound", [("arith", 16, 14), ("sudoku", 20, 10)])
 def test_shipped_checkpoints_solve_tasks(shipped, task_name, n, bound):
     """The ground truth is real: one-token-per-step decoding solves most held-out problems (n = 500 in

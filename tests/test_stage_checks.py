@@ -69,6 +69,7 @@ def test_run_time_switch_names_the_stage_and_what_it_returned(tmp_path, isolated
     assert "score" not in vars(stage)
 
 
+@pytest.mark.slow
 def test_pytest_plugin_runs_the_checks(tmp_path):
     path = tmp_path / "hellinger_pytest.py"
     path.write_text(HELLINGER.format(name="hellinger"))

@@ -169,6 +169,7 @@ def sudoku_trace(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_command_writes_the_page_the_data_and_the_figures(sudoku_trace):
     names = {p.name for p in sudoku_trace.iterdir()}
     assert {"trace.html", "trace.json", "commits.png", "recompute-fast-dllm.png", "recompute-polestar.png",
@@ -183,6 +184,7 @@ def test_the_command_writes_the_page_the_data_and_the_figures(sudoku_trace):
     assert page.count("<svg") >= 2 + 2 * 2 + 2 + 3
 
 
+@pytest.mark.slow
 def test_what_the_docs_say_about_item_0_is_what_the_command_draws(sudoku_trace):
     """docs/trace.md describes this very trace (and shows its figures): its outputs, step counts and first
     difference must be the command's, or the page is stale."""
@@ -284,6 +286,7 @@ def browser() -> str:
     return browser_or_skip()
 
 
+@pytest.mark.slow
 def test_the_page_loads_in_a_headless_browser(browser, sudoku_trace, tmp_path):
     from PIL import Image
 
@@ -328,6 +331,7 @@ def test_a_missing_browser_skips_the_page_check_here_and_fails_it_where_required
     assert f"export {REQUIRE_BROWSER}=1" in ci and ci.index(f"export {REQUIRE_BROWSER}=1") < ci.index("-m pytest")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["polestar"])
 def test_a_compiled_step_records_the_same_details(name):
     """Under ``torch.compile`` (the ``eager`` backend: dynamo captures each step whole) the stages' details are
