@@ -23,8 +23,11 @@ trap 'rm -rf "$SCRATCH"' EXIT
 case "$INSTALL" in
     pip)
         echo "# install: $PYTHON -m pip install --no-index --no-build-isolation --no-deps -e $ROOT"
-        if ! "$PYTHON" -m pip install -q --no-index --no-build-isolation --no-deps -e "$ROOT"; then
-            echo "# install: pip failed; running from the source tree instead"
+        if "$PYTHON" -m pip install -q --no-index --no-build-isolation --no-deps -e "$ROOT" >"$SCRATCH/pip.log" 2>&1; then
+            echo "# install: done"
+        else
+            tail -n 5 "$SCRATCH/pip.log"
+            echo "# install: pip failed (its last lines above); running from the source tree instead"
             INSTALL=source
         fi
         ;;
