@@ -56,6 +56,7 @@ def run_check_sh(python, tmp_path, *args, **env):
     return run.stdout
 
 
+@pytest.mark.slow
 def test_check_sh_installs_offline_and_runs_every_step(bare_python, tmp_path):
     out = tmp_path / "rows.json"
     printed = run_check_sh(bare_python, tmp_path, *SMALL, "--json", str(out), TRITON_INTERPRET="1")
@@ -81,6 +82,7 @@ def test_check_sh_installs_offline_and_runs_every_step(bare_python, tmp_path):
     assert kernels["proxy_attention"]["max_abs_diff"] < 1e-5 and kernels["kl_drift"]["max_abs_diff"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["POLESTAR_INSTALL=source", "pip fails"])
 def test_check_sh_runs_from_the_source_tree_when_nothing_is_installed(bare_python, tmp_path, how):
     """Asked to, or when pip cannot install the checkout (here: a constraint no version meets), check.sh runs the
