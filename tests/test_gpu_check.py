@@ -156,7 +156,9 @@ def test_budget_skips_rows_once_spent(capsys):
     budget = Budget(limit=0.0)
     assert not budget.allows("polestar compiled b16")
     assert budget.skipped == ["polestar compiled b16"] and "# skipped polestar compiled b16" in capsys.readouterr().out
-    assert Budget(limit=60.0).allows("baseline eager b1")
+    roomy = Budget(limit=60.0)
+    assert roomy.allows("baseline eager b1") and not roomy.allows("polestar compiled b1", reserve=61.0)
+    assert roomy.skipped == ["polestar compiled b1"]
 
 
 def test_tiny_cpu_defaults_compile_without_codegen_in_float32():

@@ -22,7 +22,8 @@
    largest difference (optional: skipped, with the reason and what to install, when triton is missing, or off
    CUDA without ``TRITON_INTERPRET=1``).
 
-A row that would start after ``--budget`` seconds (default 450) is skipped with a line saying so.
+A row that would start after ``--budget`` seconds (default 450), or a compiled row with less than
+:data:`COMPILE_RESERVE` seconds of it left, is skipped with a line saying so.
 
 ``--tiny`` runs the same steps at a narrow width and depth on any device (tests/test_gpu_check.py); on a CPU its
 compiled rows use the ``"eager"`` compile backend (dynamo captures each step whole, no code is generated) unless
@@ -67,6 +68,9 @@ TINY_WIDTH = {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 1
 POLICIES = ("baseline", "fast-dllm", "elastic-cache", "polestar")
 #: compiled by default (step 4): the plainest step and the project's own
 COMPILE_POLICIES = ("baseline", "polestar")
+#: seconds a compiled row is expected to take at most (its compiles included): no compiled row starts later than
+#: this before the budget ends, so that check.sh's timeout does not cut one short
+COMPILE_RESERVE = 60.0
 #: Polestar's defaults the kernel shapes of step 6 follow: clusters per layer, window blocks (2 before, 1 after)
 N_CLUSTERS, WINDOW_BLOCKS = 8, 3
 HEADER = (f"{'policy':13s} {'batch':>5s} {'layers':>6s} {'mode':>8s} {'ms/step':>8s} {'bound':>7s} {'x bound':>7s} "
@@ -362,9 +366,10 @@ class Budget:
         """Seconds since the check started."""
         return time.perf_counter() - self.start
 
-    def allows(self, what: str) -> bool:
-        """True while under the limit; else prints (once per row) and records that ``what`` was skipped."""
-        if self.elapsed() < self.limit:
+    def allows(self, what: str, reserve: float = 0.0) -> bool:
+        """True while ``reserve`` seconds (what ``what`` is expected to take) still fit under the limit; else prints
+        and records that ``what`` was skipped."""
+        if self.elapsed() + reserve < self.limit:
             return True
         self.skipped.append(what)
         print(f"# skipped {what}: {self.elapsed():.0f} s spent of the {self.limit:.0f} s budget", flush=True)
@@ -438,12 +443,12 @@ def main(argv: list[str] | None = None) -> int:
                 for policy in args.compile_policies:
                     for compiled in (False, True):
                         what = f"{policy} {'compiled' if compiled else 'eager'} b{batch} ({args.compile_layers} layers)"
-                        if budget.allows(what):
+                        if budget.allows(what, COMPILE_RESERVE if compiled else 0.0):
                             rows.append(decode_row(small, args, device, policy, batch, compiled, args.compile_layers))
         if "compiled" in args.modes and args.fp8:
             if fp8_blocker is not None:
                 print(f"\n# step 5: quant='fp8' compiled: refused: {fp8_blocker}")
-            elif budget.allows("polestar+fp8 compiled"):
+            elif budget.allows("polestar+fp8 compiled", COMPILE_RESERVE):
                 print(f"\n# step 5: quant='fp8' compiled at {args.compile_layers} layers\n{HEADER}")
                 rows.append(decode_row(small, args, device, "polestar", args.batches[0], True, args.compile_layers,
                                        quant="fp8"))
