@@ -177,10 +177,11 @@ def shadow_kernels(results: str = "reference") -> Iterator[list[Launch]]:
 
 
 def _zeroed(out: Any) -> Any:
-    """``out`` (a tensor, or a tuple / NamedTuple holding tensors) with every floating or integer tensor zeroed."""
+    """``out`` (a tensor, or a tuple / NamedTuple holding tensors) with every tensor zero-filled in place."""
     if isinstance(out, torch.Tensor):
-        return out.view(torch.uint8).zero_().view(out.dtype) if out.dtype.is_floating_point and out.element_size() == 1 \
-            else out.zero_()
+        one_byte_float = out.dtype.is_floating_point and out.element_size() == 1  # float8: zero its bytes
+        (out.view(torch.uint8) if one_byte_float else out).zero_()
+        return out
     if isinstance(out, tuple):
         return type(out)(*map(_zeroed, out)) if hasattr(out, "_fields") else tuple(map(_zeroed, out))
     return out
@@ -280,8 +281,10 @@ def model_for(name: str) -> torch.nn.Module:
     model = model.to(dtype=torch.bfloat16).to_empty(device="cpu")
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            is_norm = p.dim() == 1 and ("norm" in pname or pname.endswith("ln_f.weight"))
-            p.fill_(1.0) if is_norm else p.zero_()
+            if p.dim() == 1 and ("norm" in pname or pname.endswith("ln_f.weight")):
+                p.fill_(1.0)
+            else:
+                p.zero_()
     model.rotary = Rotary(spec.head_dim, spec.rope_theta)
     return model.eval()
 
