@@ -39,8 +39,9 @@ class DecodeCache:
     reallocated (finished sequences stay in the batch, frozen), so its buffers keep static addresses.
 
     Shapes (``T`` = sequence length, one extra *trash slot* at index ``T`` absorbs writes of unused plan slots):
-    ``k[l], v[l]``: ``[B, n_kv_heads, T + 1, head_dim]`` (keys stored after RoPE);
-    ``hidden[l]``: ``[B, T + 1, d_model]``, the input of layer ``l`` (only when ``store_hidden``);
+    ``k, v``: ``[n_layers, B, n_kv_heads, T + 1, head_dim]``, so ``k[l]`` is layer ``l``'s keys (stored after RoPE);
+    one tensor for every layer, so a compiled step has one input (and one guard) for all of them;
+    ``hidden``: ``[n_layers, B, T + 1, d_model]``, ``hidden[l]`` the input of layer ``l`` (only when ``store_hidden``);
     ``key_valid``: ``[B, T + 1]`` bool, False for left padding and the trash slot;
     ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions).
     """
@@ -50,14 +51,11 @@ class DecodeCache:
         device = attention_mask.device
         self.spec = spec
         self.length = T
-        kv_shape = (B, spec.n_kv_heads, T + 1, spec.head_dim)
-        self.k = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(spec.n_layers)]
-        self.v = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(spec.n_layers)]
-        self.hidden = (
-            [torch.zeros(B, T + 1, spec.d_model, dtype=dtype, device=device) for _ in range(spec.n_layers)]
-            if store_hidden
-            else None
-        )
+        L = spec.n_layers
+        kv_shape = (L, B, spec.n_kv_heads, T + 1, spec.head_dim)
+        self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.hidden = torch.zeros(L, B, T + 1, spec.d_model, dtype=dtype, device=device) if store_hidden else None
         self.key_valid, self.positions = _validity_and_positions(attention_mask)
 
     def reset(self, attention_mask: torch.Tensor) -> None:
@@ -66,8 +64,9 @@ class DecodeCache:
         key_valid, positions = _validity_and_positions(attention_mask)
         self.key_valid.copy_(key_valid)
         self.positions.copy_(positions)
-        for t in [*self.k, *self.v, *(self.hidden or [])]:
-            t.zero_()
+        for t in (self.k, self.v, self.hidden):
+            if t is not None:
+                t.zero_()
 
     @property
     def trash(self) -> int:

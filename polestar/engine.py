@@ -133,7 +133,8 @@ def start_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_mas
     x = torch.full((B, P + G), spec.mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt_ids
     full_mask = _full_mask(attention_mask, G)
-    generator = torch.Generator(device=device).manual_seed(config.seed)
+    # the meta device has no generator: a meta run (shapes only) draws its random numbers on the CPU
+    generator = torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(config.seed)
     refresh, commit = pipeline.refresh, pipeline.commit
     cache = model.new_cache(full_mask, store_hidden=refresh.needs_hidden)
     bl = config.block_length

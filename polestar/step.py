@@ -32,7 +32,10 @@ same random stream.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import re
 import types
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -44,6 +47,7 @@ from polestar.models.cost import CostMeter, StepCost
 from polestar.models.plan import DecodeCache, Plan
 
 from .config import GenerationConfig
+from .device_support import fp8_compile_blocker
 from .policy import Pipeline
 from .profiling import scope
 from .state import (
@@ -315,23 +319,33 @@ def pipeline_compilable(pipeline: Pipeline) -> bool:
     return all(getattr(stage, "compilable", True) for stage in pipeline.stages.values())
 
 
-_COMPILED_STEPS: dict[tuple[str, str, str | None], Callable] = {}
+#: compiled steps per model: ``{model: {(composition, backend, cuda_graphs): fn}}``
+_COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STEP_COUNT = itertools.count()
 
 
-def compiled_step(pipeline: Pipeline, backend: str, mode: str | None) -> Callable:
-    """The compiled :func:`decode_step` of ``pipeline``'s stage composition (names and options), made once per
-    process and shared by every generation with that composition. Each composition compiles its own copy of the
-    function's code: dynamo keeps its graphs and recompile count per code object, so the graphs of one policy
-    never sit in the guard chain of another, and a session that runs every policy never reaches the recompile
-    limit."""
-    key = (repr(sorted(pipeline.describe().items())), backend, mode)
-    fn = _COMPILED_STEPS.get(key)
+def compiled_step(model: DiffusionLM, pipeline: Pipeline, backend: str | Callable, cuda_graphs: bool) -> Callable:
+    """The compiled :func:`decode_step` bound to ``model`` and to ``pipeline``'s stage composition (names and
+    options), made once per process and shared by every generation with them.
+
+    Bound once: the model's weights and the stages are the same objects (or, for the stages, equal ones) at every
+    call, so the compiled step keeps no guard on them (:func:`step_guards`), only on the generation's buffers, the
+    decoding settings and the step phase; dynamo's per-call guard check walks those alone. Each binding compiles its
+    own copy of the function's code: dynamo keeps its graphs and recompile count per code object, so the graphs of one
+    policy never sit in the guard chain of another, and a session that runs every policy never reaches the recompile
+    limit. ``cuda_graphs``: inductor records each graph as a CUDA graph and replays it (``triton.cudagraphs``, what
+    ``mode="reduce-overhead"`` sets)."""
+    per_model = _COMPILED_STEPS.setdefault(model, {})
+    key = (repr(sorted(pipeline.describe().items())), backend, cuda_graphs)
+    fn = per_model.get(key)
     if fn is None:
-        code = decode_step.__code__.replace(co_name=f"decode_step_{len(_COMPILED_STEPS)}")
+        code = decode_step.__code__.replace(co_name=f"decode_step_{next(_STEP_COUNT)}")
         step = types.FunctionType(code, decode_step.__globals__, code.co_name, decode_step.__defaults__,
                                   decode_step.__closure__)
-        options = _INDUCTOR_OPTIONS if backend == "inductor" and mode is None else None  # mode and options exclude
-        fn = _COMPILED_STEPS[key] = torch.compile(step, fullgraph=True, mode=mode, backend=backend, options=options)
+        options: dict = {"guard_filter_fn": step_guards}
+        if backend == "inductor":
+            options.update({"triton.cudagraphs": True} if cuda_graphs else _INDUCTOR_OPTIONS)
+        fn = per_model[key] = torch.compile(step, fullgraph=True, backend=backend, options=options)
     return fn
 
 
@@ -339,6 +353,18 @@ def compiled_step(pipeline: Pipeline, backend: str, mode: str | None) -> Callabl
 #: kernels) generated in C++ rather than Python, and without the checks of every extern kernel's output sizes,
 #: strides and alignment (the step's shapes are static); measured in the docs' performance page
 _INDUCTOR_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
+
+#: guard sources a bound step drops (see :func:`compiled_step`): its model and its stages, whether reached from the
+#: generation (``gen.model``, ``gen.pipeline``) or from a per-generation structure that holds a stage (a row
+#: store's quantizer and offloader), and the generation's side stream (fixed by its device)
+_BOUND_SOURCE = re.compile(r"^(L\['gen'\]|gen)\.(model|pipeline)\b|\.(quant|offload|side)\b")
+
+
+def step_guards(entries) -> list[bool]:
+    """dynamo's ``guard_filter_fn`` of a bound step: keep the guards on the generation's buffers, its settings and
+    the step phase; drop those on the model and the stages the step is bound to (:data:`_BOUND_SOURCE`), and on
+    module globals (the library's functions and torch's, which no caller rebinds while decoding)."""
+    return [not (e.is_global or _BOUND_SOURCE.search(e.name)) for e in entries]
 
 
 class StepRunner:
@@ -364,14 +390,18 @@ class StepRunner:
         self.eager_steps = 0
         self.compiled_steps = 0
         self._compiled = None
+        self._binding = None
         self._active = False
         self.cuda_graphs = False
         self.static_addresses = self.device.type == "cuda" if static_addresses is None else static_addresses
         if self.compile:
-            backend = "inductor" if compile is True else compile
-            self.cuda_graphs = self.device.type == "cuda" and backend == "inductor"
-            mode = "reduce-overhead" if self.cuda_graphs else None
-            self._compiled = compiled_step(pipeline, backend, mode)
+            self.backend = "inductor" if compile is True else compile
+            self.cuda_graphs = self.device.type == "cuda" and self.backend == "inductor"
+            if self.cuda_graphs and pipeline.describe().get("quant", {}).get("name") == "fp8":
+                blocker = fp8_compile_blocker(self.device)  # Triton has no e4m3 before sm_89
+                if blocker is not None:
+                    raise ValueError(blocker)
+            self._compiled = self._bound
 
     def mark_static(self, gen: Generation) -> None:
         """Pin the addresses of every persistent buffer of ``gen`` (:func:`persistent_tensors`) for CUDA graphs:
@@ -383,6 +413,14 @@ class StepRunner:
         for t in persistent_tensors(gen):
             if getattr(t, "_dynamo_static_input_type", None) is None:
                 torch._dynamo.mark_static_address(t, guard=False)
+
+    def _bound(self, gen: Generation) -> StepOutput:
+        """Run the compiled step bound to ``gen``'s model and pipeline (:func:`compiled_step`; looked up once per
+        model and pipeline object)."""
+        if self._binding is None or self._binding[0] is not gen.model or self._binding[1] is not gen.pipeline:
+            fn = compiled_step(gen.model, gen.pipeline, self.backend, self.cuda_graphs)
+            self._binding = (gen.model, gen.pipeline, fn)
+        return self._binding[2](gen)
 
     @contextlib.contextmanager
     def running(self):

@@ -76,12 +76,15 @@ def test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_an
     assert counters["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_compiled_step_builds_with_and_without_a_mode(mode):
-    """On a CPU the step compiles with inductor options (a C++ wrapper without its asserts); with a mode (CUDA graphs on CUDA)
-    it takes no options, as torch.compile refuses both at once. Building is lazy: nothing compiles here."""
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_compiled_step_builds_with_and_without_cuda_graphs(cuda_graphs, small_model):
+    """On a CPU the step compiles with inductor options (a C++ wrapper without its asserts); with CUDA graphs it
+    takes inductor's ``triton.cudagraphs`` option instead (what ``mode="reduce-overhead"`` sets, given as an option
+    so that the guard filter can be given too). Building is lazy: nothing compiles here; one compiled step per
+    model and composition."""
     from polestar.policy import assemble
     from polestar.step import compiled_step
 
-    fn = compiled_step(assemble("fast-dllm", {"threshold?": 0.42}), "inductor", mode)
+    fn = compiled_step(small_model, assemble("fast-dllm", {"threshold?": 0.42}), "inductor", cuda_graphs)
     assert callable(fn)
+    assert compiled_step(small_model, assemble("fast-dllm", {"threshold?": 0.42}), "inductor", cuda_graphs) is fn

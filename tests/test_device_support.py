@@ -63,3 +63,19 @@ def test_the_threshold_is_where_triton_gains_the_e4m3_type():
     threshold = FP8_E4M3_MIN_CAPABILITY[0] * 10 + FP8_E4M3_MIN_CAPABILITY[1]
     for arch in (80, 86, 89, 90):
         assert compiles(arch) == (arch >= threshold), arch
+
+
+def test_the_compiled_step_refuses_fp8_below_sm89_before_any_work(monkeypatch):
+    """``StepRunner`` (what ``generate(compile=True)`` builds) refuses ``quant=fp8`` on an sm_80 GPU with the
+    blocker's sentence, before anything is compiled or allocated; eager runs and other quantizers are not refused."""
+    import pytest
+    import torch
+
+    import polestar
+    from polestar.step import StepRunner
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        StepRunner(True, torch.device("cuda"), polestar.assemble("polestar", {"quant": "fp8"}))
+    StepRunner(False, torch.device("cuda"), polestar.assemble("polestar", {"quant": "fp8"}))
+    StepRunner(True, torch.device("cuda"), polestar.assemble("polestar", {"quant": "nvfp4"}))

@@ -69,7 +69,7 @@ def test_block_plan_on_fresh_cache_matches_reference(model):
     ids = torch.randint(0, 38, (2, 20))
     cache = model.new_cache(torch.ones(2, 20, dtype=torch.bool))
     model.run_plan(ids, cache, full_plan(2, 20, "cpu"))
-    got = plan_logits(model, ids, cache, span_plan(2, 8, 16, "cpu"))
+    got = plan_logits(model, ids, cache, span_plan(2, 8, 8, "cpu"))
     torch.testing.assert_close(got, raw_reference_logits(model, ids)[:, 8:16], atol=1e-5, rtol=1e-5)
 
 
@@ -80,7 +80,7 @@ def test_block_plan_on_stale_cache_matches_reference(model):
     new[:, 8:16] = torch.randint(0, 38, (2, 8))
     cache = model.new_cache(torch.ones(2, 20, dtype=torch.bool))
     model.run_plan(old, cache, full_plan(2, 20, "cpu"))
-    got = plan_logits(model, new, cache, span_plan(2, 8, 16, "cpu"))
+    got = plan_logits(model, new, cache, span_plan(2, 8, 8, "cpu"))
     ref = stale_logits(model, new, layer_kv_inputs(model, old), 8, 16, shift=0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     fresh = raw_reference_logits(model, new)[:, 8:16]
@@ -94,7 +94,7 @@ def test_per_layer_plan_with_identical_layers_equals_uniform(model):
     c2 = model.new_cache(torch.ones(1, 12, dtype=torch.bool), store_hidden=True)
     model.run_plan(ids, c1, full_plan(1, 12, "cpu"))
     model.run_plan(ids, c2, full_plan(1, 12, "cpu"))
-    uni = span_plan(1, 4, 9, "cpu")
+    uni = span_plan(1, 4, 5, "cpu")
     per = uni._replace(index=uni.index.expand(L, 1, 5), valid=uni.valid.expand(L, 1, 5))
     a = model.run_plan(ids, c1, uni).hidden
     b = model.run_plan(ids, c2, per).hidden
