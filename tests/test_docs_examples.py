@@ -54,7 +54,8 @@ RUNNABLE = [("README.md", 0), ("docs/trace.md", 0), ("docs/policies.md", 0)]
 PLUGIN_FILE = "mydrift.py"
 
 
-@pytest.mark.parametrize("doc, index", RUNNABLE, ids=[f"{d}#{i}" for d, i in RUNNABLE])
+@pytest.mark.parametrize("doc, index", [pytest.param(d, i, marks=[pytest.mark.slow] if d == "docs/trace.md" else [])
+                                         for d, i in RUNNABLE], ids=[f"{d}#{i}" for d, i in RUNNABLE])
 def test_markdown_python_blocks_run(doc, index, tmp_path, monkeypatch, isolated_registry):
     code = _python_blocks(ROOT / doc)[index]
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary folder
