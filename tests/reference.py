@@ -170,7 +170,8 @@ def fastdllm_generate(model, prompt, gen_length, block_length, threshold, cache=
 # ``rows`` token-layer evaluations (every row that went through a layer's attention and MLP, summed over layers and
 # forwards), ``probe_rows`` the method's query-only rows (dLLM-Cache: rows whose value projection was computed only to
 # pick the ``ratio`` rows; Elastic-Cache: tracked tokens whose old attention was re-scored for the trigger, one per
-# tracked token and checked layer), ``rows_per_token`` = rows / gen_length and ``triggers`` (Elastic-Cache).
+# tracked token and checked layer), ``rows_per_token`` = rows / gen_length and ``triggers`` (Elastic-Cache: forwards
+# in which a layer before the last fired, so that the later layers recomputed every row).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
