@@ -147,8 +147,9 @@ class DiffusionLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def new_cache(self, attention_mask: torch.Tensor, store_hidden: bool = False) -> DecodeCache:
-        return DecodeCache(self.spec, attention_mask, self.dtype, store_hidden)
+    def new_cache(self, attention_mask: torch.Tensor, store_hidden: bool = False,
+                  separate_layers: bool = False) -> DecodeCache:
+        return DecodeCache(self.spec, attention_mask, self.dtype, store_hidden, separate_layers)
 
     # -- plain forward --------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,7 +157,7 @@ class DiffusionLM(nn.Module):
         B, L = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones(B, L, dtype=torch.bool, device=input_ids.device)
-        cache = self.new_cache(attention_mask)
+        cache = self.new_cache(attention_mask, separate_layers=torch.is_grad_enabled())
         out = self.run_plan(input_ids, cache, full_plan(B, L, input_ids.device))
         logits = self.head(out.hidden)
         if self.spec.logit_shift:

@@ -41,20 +41,28 @@ class DecodeCache:
     Shapes (``T`` = sequence length, one extra *trash slot* at index ``T`` absorbs writes of unused plan slots):
     ``k, v``: ``[n_layers, B, n_kv_heads, T + 1, head_dim]``, so ``k[l]`` is layer ``l``'s keys (stored after RoPE);
     one tensor for every layer, so a compiled step has one input (and one guard) for all of them;
+    with ``separate_layers`` (what a full forward under autograd uses) ``k, v`` are tuples of per-layer
+    ``[B, n_kv_heads, T + 1, head_dim]`` tensors instead: a write into one layer of a stacked tensor bumps the
+    autograd version of every layer, so a backward pass would refuse the keys saved by the layers before;
     ``hidden``: ``[n_layers, B, T + 1, d_model]``, ``hidden[l]`` the input of layer ``l`` (only when ``store_hidden``);
     ``key_valid``: ``[B, T + 1]`` bool, False for left padding and the trash slot;
     ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions).
     """
 
-    def __init__(self, spec: ModelSpec, attention_mask: torch.Tensor, dtype: torch.dtype, store_hidden: bool = False):
+    def __init__(self, spec: ModelSpec, attention_mask: torch.Tensor, dtype: torch.dtype, store_hidden: bool = False,
+                 separate_layers: bool = False):
         B, T = attention_mask.shape
         device = attention_mask.device
         self.spec = spec
         self.length = T
         L = spec.n_layers
         kv_shape = (L, B, spec.n_kv_heads, T + 1, spec.head_dim)
-        self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
+        if separate_layers:
+            self.k = tuple(torch.zeros(kv_shape[1:], dtype=dtype, device=device) for _ in range(L))
+            self.v = tuple(torch.zeros(kv_shape[1:], dtype=dtype, device=device) for _ in range(L))
+        else:
+            self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
+            self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.hidden = torch.zeros(L, B, T + 1, spec.d_model, dtype=dtype, device=device) if store_hidden else None
         self.key_valid, self.positions = _validity_and_positions(attention_mask)
 
@@ -64,7 +72,7 @@ class DecodeCache:
         key_valid, positions = _validity_and_positions(attention_mask)
         self.key_valid.copy_(key_valid)
         self.positions.copy_(positions)
-        for t in (self.k, self.v, self.hidden):
+        for t in (*_tensors(self.k), *_tensors(self.v), self.hidden):
             if t is not None:
                 t.zero_()
 
@@ -75,6 +83,10 @@ class DecodeCache:
     @property
     def batch_size(self) -> int:
         return self.key_valid.shape[0]
+
+
+def _tensors(kv: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return kv if isinstance(kv, tuple) else (kv,)
 
 
 def _validity_and_positions(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

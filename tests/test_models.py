@@ -17,6 +17,19 @@ def test_full_forward_matches_naive(model):
     torch.testing.assert_close(model(ids), naive_logits(model, ids), atol=1e-5, rtol=1e-5)
 
 
+def test_full_forward_under_autograd_backpropagates_and_equals_the_stacked_cache_forward(model):
+    # a write into one layer of a stacked K/V tensor would bump the version of the keys saved by earlier layers
+    ids = torch.randint(0, 38, (2, 13))
+    with torch.no_grad():
+        stacked = model(ids)
+    logits = model(ids)
+    torch.testing.assert_close(logits, stacked, atol=1e-6, rtol=1e-6)
+    logits.float().logsumexp(-1).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("over", [dict(qkv_bias=True), dict(tie_embeddings=True), dict(n_kv_heads=1)])
 def test_llada_variants_match_naive(over):
     m = make_model("llada", **over)

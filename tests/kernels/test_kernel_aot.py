@@ -1,8 +1,8 @@
 """Every Triton kernel the decoding step launches, compiled ahead of time for sm_80 (A100) and sm_90 (H100 / H200)
 on this CPU-only machine with Triton's own compiler, at the launches a real ``polestar`` decode makes: no register
-spills (see :mod:`polestar.kernels.aot`).
+spills (see :mod:`polestar.bench.kernel_aot`).
 
-The launches come from decodes run under :func:`~polestar.kernels.aot.shadow_kernels`, so a kernel added to the
+The launches come from decodes run under :func:`~polestar.bench.kernel_aot.shadow_kernels`, so a kernel added to the
 step is compiled here without a list to edit. Compiling runs in a child process without ``TRITON_INTERPRET`` (set
 for this folder by its conftest); Triton's cache keeps the compiled kernels between runs.
 """
@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: there is no Triton kernel to compile")
 
 import polestar  # noqa: E402
-from polestar.kernels import _backend, aot, drift  # noqa: E402
+from polestar.bench import kernel_aot as aot  # noqa: E402
+from polestar.kernels import _backend, drift  # noqa: E402
 
 #: dynamic shared memory one program may request: sm_80 163 KiB, sm_90 227 KiB
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
@@ -26,7 +27,7 @@ STEP_KERNELS = {"proxy_attention_kernel", "kl_rows_kernel", "assign_kernel", "nv
 
 
 def run_aot(tmp_path_factory, runs: str) -> dict:
-    """``python -m polestar.kernels.aot --runs <runs>`` in a child process; its JSON (the table goes to stdout, shown
+    """``python -m polestar.bench.kernel_aot --runs <runs>`` in a child process; its JSON (the table goes to stdout, shown
     with ``pytest -s``)."""
     out = tmp_path_factory.mktemp("aot") / f"{runs}.json"
     proc = aot.compile_in_subprocess(["--runs", runs, "--json", str(out)], timeout=1200)

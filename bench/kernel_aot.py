@@ -16,7 +16,7 @@ reports on a GPU) and the shared memory Triton requests at launch.
 
 Compiling needs the kernels built as ``triton.jit`` functions: under ``TRITON_INTERPRET=1`` (the CPU test-suite)
 they are interpreter objects, so :func:`compile_in_subprocess` runs :func:`main` in a child process without that
-variable. ``python -m polestar.kernels.aot`` prints the table (``--json`` writes it).
+variable. ``python -m polestar.bench.kernel_aot`` prints the table (``--json`` writes it).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 import attrs
 import torch
 
-from . import _backend
+from polestar.kernels import _backend
 
 #: GPU targets checked by default: A100 (sm_80) and H100 / H200 (sm_90)
 ARCHS: tuple[int, ...] = (80, 90)
@@ -106,9 +106,9 @@ def recording(site: str = "") -> Iterator[list[Launch]]:
 
 def kernel_modules() -> list[ModuleType]:
     """The public modules of :mod:`polestar.kernels` (those holding the ``*_triton`` wrappers), imported."""
-    package = importlib.import_module(__package__)
+    package = importlib.import_module("polestar.kernels")
     names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
-    return [importlib.import_module(f"{__package__}.{n}") for n in sorted(names) if n != "aot"]
+    return [importlib.import_module(f"polestar.kernels.{n}") for n in sorted(names)]
 
 
 def triton_wrappers() -> dict[str, tuple[Callable, Callable]]:
@@ -469,11 +469,11 @@ def launchable_kernels() -> dict[str, Any]:
     qualified name → function."""
     from triton.runtime.jit import KernelInterface
 
-    package = importlib.import_module(__package__)
+    package = importlib.import_module("polestar.kernels")
     found = {}
     for info in pkgutil.iter_modules(package.__path__):
         if info.name.startswith("_") and info.name.endswith("_kernels"):
-            module = importlib.import_module(f"{__package__}.{info.name}")
+            module = importlib.import_module(f"polestar.kernels.{info.name}")
             for name, fn in vars(module).items():
                 if (isinstance(fn, KernelInterface) and fn.fn.__module__ == module.__name__
                         and "program_id" in inspect.getsource(fn.fn)):
