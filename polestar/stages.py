@@ -35,6 +35,7 @@ from polestar.models.backbone import AttentionProbe
 from polestar.models.hooks import LayerHook as LayerHookProtocol
 from polestar.models.plan import DecodeCache, Plan
 
+from .region import BlockRegion
 from .state import CommitSelection, DecodeState, Prediction, StepPosition, SuffixCommit, UpdatePacket
 
 
@@ -97,6 +98,18 @@ class RefreshSelector(Stage):
     """
 
     needs_hidden: bool = False
+
+    def region(self):
+        """The commit-region schedule this selector plans for (:mod:`polestar.region`): default the current block
+        (:class:`~polestar.region.BlockRegion`); a selector may return a sliding window
+        (:class:`~polestar.region.WindowRegion`), whose columns move every step and differ per row."""
+        return BlockRegion()
+
+    def held(self, state: DecodeState, local: Any) -> torch.Tensor | None:
+        """``[B]`` bool, after the forward: rows whose forward is not complete at this step (it continues in the
+        next one, e.g. a recomputation the selector decided during this forward): they commit nothing and their
+        forward is not counted here. Default: None (every forward completes in its step)."""
+        return None
 
     def plan(self, state: DecodeState, cache: DecodeCache, local: Any) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError

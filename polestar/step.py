@@ -238,12 +238,13 @@ class StepOutput(NamedTuple):
     view: StepView | None = None
 
 
-def block_work(x: torch.Tensor, finished: torch.Tensor, prompt_len: int, block_length: int, mask_id: int) -> torch.Tensor:
-    """``[num_blocks]`` bool: blocks where an unfinished row of ``x [B, T]`` still has a masked position."""
-    gen = x[:, prompt_len:]
-    B = gen.shape[0]
-    masked = (gen == mask_id).view(B, -1, block_length).any(dim=2)
-    return (masked & ~finished[:, None]).any(dim=0)
+def region_targets(plan: Plan, state: DecodeState) -> torch.Tensor:
+    """``[B, R]`` long: the plan slots whose hidden states predict the region's columns: ``plan.target_offset``
+    itself when it is ``[B, R]`` (per-row slots, e.g. a sliding window), else ``target_offset + arange(R)``."""
+    offset = plan.target_offset
+    if isinstance(offset, torch.Tensor) and offset.dim() == 2:
+        return offset
+    return (offset + state.block_arange)[None, :].expand(state.batch_size, -1)
 
 
 def decode_step(gen: Generation) -> StepOutput:
@@ -253,16 +254,18 @@ def decode_step(gen: Generation) -> StepOutput:
     state, cache, model, totals = gen.state, gen.cache, gen.model, gen.totals
     refresh, commit = gen.pipeline.refresh, gen.pipeline.commit
     spec, config, clock = model.spec, gen.config, state.clock
-    B = state.batch_size
     plan = refresh.plan(state, cache, gen.refresh_local)
     hook = refresh.hook(state, plan, cache, model, gen.refresh_local)
     if hook is not None and state.detail is not None:  # an observer records: the hook gathers its members too
         hook.detail = state.detail
     probe = commit.probe(state, plan) or refresh.probe(state, plan)
-    target = (plan.target_offset + state.block_arange)[None, :].expand(B, -1)
+    target = region_targets(plan, state)
     with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
         logits, probs, packet_logits, cost = block_forward(model, state.x, cache, plan, target, probe, hook)
         refresh.observe(state, plan, probs, cache, gen.refresh_local)
+    held = refresh.held(state, gen.refresh_local)
+    if held is not None:  # rows whose forward continues in the next step (decided in this one) commit nothing here
+        state.active.logical_and_(~held)
     packet = None
     if packet_logits is not None:
         packet = UpdatePacket(hook.head_positions, hook.head_valid, packet_logits)
@@ -282,8 +285,9 @@ def decode_step(gen: Generation) -> StepOutput:
     rule_transfer, transfer = transfer, transfer | forced
     state.last_commits.copy_(transfer.sum(dim=1))
     cols = state.block_columns()
-    block_x = state.x.index_select(1, cols)
-    state.x.index_copy_(1, cols, torch.where(transfer, pred.tokens, block_x))
+    block_x = state.x.gather(1, cols)
+    state.x.scatter_(1, cols, torch.where(transfer, pred.tokens, block_x))
+    state.schedule.advance(state, transfer, pred.tokens, gen.stops)
     extra = commit.suffix(state, gen.commit_local, packet)
     if extra is not None:
         keep = state.x.gather(1, extra.positions)
@@ -300,7 +304,7 @@ def decode_step(gen: Generation) -> StepOutput:
         gen_x.copy_(gen_x.masked_fill(fill, spec.eos_id))
         totals.finished.logical_or_(done)
     state.active.copy_(~totals.finished & state.block_masked_any())
-    work = block_work(state.x, totals.finished, P, config.block_length, spec.mask_id)
+    work = state.schedule.work(state, totals.finished)
     flags = refresh.next_step_flags(state, gen.refresh_local)
     if flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
         work = torch.cat([work, flags])

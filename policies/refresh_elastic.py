@@ -1,0 +1,263 @@
+"""Elastic-Cache as a refresh selector (Nguyen-Tri et al. 2025, "Attention Is All You Need for KV Cache in Diffusion
+LLMs"), as its released code runs it (``generate_with_elastic_cache`` and its LLaDA / Dream attention).
+
+Decoding commits from a sliding window: the first ``window_length`` still-masked positions of each row
+(:class:`~polestar.region.WindowRegion`, crossing block boundaries). Every layer keeps the inputs, queries, keys
+and values of every position. A forward:
+
+* the first one computes every position at every layer;
+* later ones compute the *query rows* only: the tracked tokens, the positions committed by the row's previous
+  forward and the window's predicting rows (the window itself; one position earlier for Dream's shifted logits).
+  Far masks and every other position keep their cached state (far-mask caching). At each layer the tracked tokens'
+  attention over all keys, as it was (cached queries, keys before this forward's writes) and as it is now (fresh
+  queries, keys after them), is compared: the cosine over heads, averaged over the tracked tokens and the key
+  positions. The first layer ``l`` where it falls below ``gamma`` triggers a recomputation from layer ``l + 1``:
+  layer ``l + 1`` takes every position, the query rows' fresh inputs and the others' cached ones, and every later
+  layer recomputes every position;
+* at every layer computed for the window, each layer's next tracked tokens are the ``track_num`` positions the
+  window's rows attend to most (summed over heads and window rows), among positions that are not still masked;
+  the tracked tokens of a forward are the union over layers.
+
+Fixed shapes, one graph per step variant (:meth:`ElasticCacheRefresh.phase`): ``first`` (every position), ``cached``
+(the query rows, up to ``C = min(T, L·track_num + 2·R)`` plan slots, ``R`` the window width) and ``rerun`` from
+layer ``s``. A ``cached`` step runs every layer on the query rows and decides the trigger per row on the device;
+rows whose first trigger is below the last layer commit nothing (:meth:`ElasticCacheRefresh.held`) and their layer
+flags ride along the loop's one host read, so the next step is ``rerun`` from the lowest such layer ``l + 1``: in
+those rows, layer ``l + 1`` recomputes every position that was not a query row (the query rows' outputs there are
+already those of the cached pass, from the same inputs and keys) and the layers above recompute every position,
+then they commit. The cached pass's layers above ``l + 1`` in a triggered row are computed and discarded; they are
+counted. Shapes: query plan ``[B, C]``, rerun plan ``[L, B, T]``, attention rows ``[B, H, ·, T + 1]``, cached queries
+``[L, B, H, T + 1, hd]``, tracked tokens ``[L, B, track_num]``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from attrs import validators as v
+
+from polestar.models.backbone import LayerQKV
+from polestar.models.plan import DecodeCache, Plan, full_plan
+from polestar.region import WindowRegion
+from polestar.registry import register
+from polestar.stages import LayerHook, RefreshSelector
+from polestar.state import DecodeState, StepPosition
+
+FIRST, CACHED, RERUN = "first", "cached", "rerun"
+
+
+@register("refresh", "elastic")
+class ElasticCacheRefresh(RefreshSelector):
+    """Elastic-Cache (see the module docstring): ``window_length`` the sliding window's width, ``gamma`` the
+    attention-cosine bound, ``track_num`` tracked tokens per layer. ``eos_id``: the token whose first commit bounds
+    the window (positions right of it are not decoded): None (default) takes the generation's stop tokens (the
+    model's EOS); the released code hard-codes 126081 (LLaDA-8B's ``<|endoftext|>``), which on any other vocabulary
+    never stops it: ``eos_id=126081`` (with ``stop_at_eos=False``) reproduces that."""
+
+    @attrs.frozen
+    class Config:
+        window_length: int = attrs.field(default=16, validator=[v.instance_of(int), v.ge(1)])
+        gamma: float = attrs.field(default=0.9, converter=float, validator=v.ge(0.0))
+        track_num: int = attrs.field(default=1, validator=[v.instance_of(int), v.ge(1)])
+        eos_id: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))
+
+    needs_hidden = True
+
+    def region(self) -> WindowRegion:
+        return WindowRegion(self.config.window_length, self.config.eos_id)
+
+    def init_state(self, state: DecodeState) -> ElasticState:
+        B, L, T, device = state.batch_size, state.n_layers, state.length, state.x.device
+        return ElasticState(
+            q=None, track=torch.zeros(L, B, self.config.track_num, dtype=torch.long, device=device),
+            fired=torch.full((B,), L, dtype=torch.long, device=device),
+            deferred=torch.zeros(B, dtype=torch.bool, device=device),
+            seen=torch.zeros(B, T, dtype=torch.bool, device=device),
+            member=torch.zeros(B, T, dtype=torch.bool, device=device))
+
+    def begin_generation(self, local: ElasticState, state: DecodeState, cache: DecodeCache, model) -> None:
+        spec = model.spec
+        if local.q is None:  # allocated once per shape (the model's head width is known here)
+            local.q = torch.zeros(spec.n_layers, state.batch_size, spec.n_heads, state.length + 1, spec.head_dim,
+                                  dtype=cache.k[0].dtype, device=state.x.device)
+        local.q.zero_()
+        local.track.zero_()
+        local.fired.fill_(state.n_layers)
+        local.deferred.zero_()
+        local.seen.zero_()
+        local.member.zero_()
+
+    def phase(self, position: StepPosition, state: DecodeState, local: ElasticState) -> tuple:
+        """``("first",)`` at the generation's first step; ``("rerun", s)`` when the previous step deferred rows whose
+        lowest first trigger is at layer ``s - 1`` (its flags); else ``("cached",)``."""
+        if position.global_step == 0:
+            return (FIRST,)
+        fired = [j for j, flag in enumerate(position.flags) if flag]
+        return (RERUN, fired[0] + 1) if fired else (CACHED,)
+
+    def capacity(self, state: DecodeState) -> int:
+        """Plan slots of a ``cached`` step: tracked tokens, the previous commits and the window's rows."""
+        R = state.block_arange.shape[0]
+        return min(state.length, state.n_layers * self.config.track_num + 2 * R)
+
+    def plan(self, state: DecodeState, cache: DecodeCache, local: ElasticState) -> Plan:
+        kind = state.phase.refresh[0]
+        B, T, shift = state.batch_size, state.length, state.logit_shift
+        rows = torch.where(state.region_valid, state.region - shift, T)  # the window's predicting rows
+        if kind == RERUN:
+            L = state.n_layers
+            layer = torch.arange(L, device=state.x.device)[:, None, None]
+            f = local.fired[None, :, None]
+            merge = (layer == f + 1) & ~local.member[None]  # the query rows' outputs there are the cached pass's
+            redo = (merge | (layer > f + 1)) & (local.deferred & state.active)[None, :, None]
+            index = torch.arange(T, device=state.x.device).expand(L, B, T)
+            return Plan(index, redo & cache.key_valid[None, :, :T], state.region - shift, state.phase.refresh[1])
+        is_mask = state.x == state.mask_id
+        if kind == FIRST:
+            local.seen.copy_(is_mask)
+            plan = full_plan(B, T, state.x.device)
+            return Plan(plan.index, plan.valid & state.active[:, None], state.region - shift)
+        member = torch.zeros(B, T + 1, dtype=torch.bool, device=state.x.device)
+        member.scatter_(1, local.track.permute(1, 0, 2).reshape(B, -1), True)
+        member.scatter_(1, rows, True)
+        member = member[:, :T] | (local.seen & ~is_mask)  # the row's commits since its previous forward
+        member = member & cache.key_valid[:, :T] & state.active[:, None]
+        local.member.copy_(member)
+        local.seen.copy_(is_mask)
+        local.fired.fill_(state.n_layers)
+        C = self.capacity(state)
+        index = torch.sort((~member).to(torch.int8), dim=1, stable=True).indices[:, :C]
+        slot = member.long().cumsum(dim=1) - 1  # [B, T] the plan slot of each member position
+        target = slot.gather(1, (state.region - shift).clamp_min(0)).clamp(0, C - 1)
+        return Plan(index, member.gather(1, index), target)
+
+    def hook(self, state, plan, cache, model, local: ElasticState):
+        return _PASSES[state.phase.refresh[0]](self, state, plan, cache, model, local)
+
+    def held(self, state: DecodeState, local: ElasticState) -> torch.Tensor | None:
+        kind = state.phase.refresh[0]
+        if kind == CACHED:  # rows whose first trigger leaves a layer above the merge layer: continued next step
+            local.deferred.copy_((local.fired < state.n_layers - 2) & state.active)
+            return local.deferred.clone()
+        if kind == RERUN:  # the other rows completed their forward at the previous step
+            done = ~local.deferred
+            local.deferred.zero_()
+            return done
+        return None
+
+    def next_step_flags(self, state: DecodeState, local: ElasticState) -> torch.Tensor | None:
+        """``[L - 2]`` bool: some row was deferred with its first trigger at layer ``j``."""
+        L = state.n_layers
+        if L < 3:
+            return None
+        layer = torch.arange(L - 2, device=state.x.device)[:, None]
+        return (local.deferred[None, :] & (local.fired[None, :] == layer)).any(dim=1)
+
+
+@attrs.define
+class ElasticState:
+    """Per-generation state of :class:`ElasticCacheRefresh` (preallocated, written in place): ``q [L, B, H, T + 1,
+    hd]`` every position's last query (after RoPE) per layer; ``track [L, B, track_num]`` each layer's tracked
+    tokens; ``fired [B]`` the layer of the row's first trigger in the current forward (``L``: none); ``deferred
+    [B]`` rows whose forward continues at the next step; ``seen [B, T]`` the masked positions at the row's last
+    forward (its commits since are the next query rows); ``member [B, T]`` the last ``cached`` step's query rows."""
+
+    q: torch.Tensor | None
+    track: torch.Tensor
+    fired: torch.Tensor
+    deferred: torch.Tensor
+    seen: torch.Tensor
+    member: torch.Tensor
+
+
+class _TrackPass(LayerHook):
+    """One forward's per-layer work shared by every step variant: store the computed rows' queries, and re-pick
+    each layer's tracked tokens from the window rows' attention (in the rows where the layer computed the window).
+    ``plan.target_offset [B, R]``: the window rows' plan slots."""
+
+    def __init__(self, sel: ElasticCacheRefresh, state: DecodeState, plan: Plan, cache: DecodeCache, model,
+                 local: ElasticState):
+        self.sel, self.state, self.plan, self.cache, self.model, self.local = sel, state, plan, cache, model, local
+        self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
+        T, P = state.length, state.prompt_len
+        still = state.schedule.candidates(state)  # [B, G] positions still to decode, as of the forward's start
+        self.masked = torch.cat([torch.zeros_like(still[:, :P]), still], dim=1)[:, :T]
+
+    def retrack_rows(self, layer: int) -> torch.Tensor:
+        """``[B]`` bool: rows whose window rows this layer computed."""
+        return self.state.active
+
+    def check(self, layer: int, qkv: LayerQKV) -> None:
+        """The trigger test (``cached`` steps only)."""
+
+    def members(self, layer: int, qkv: LayerQKV) -> None:
+        local, cache, state = self.local, self.cache, self.state
+        B, H, _, hd = qkv.q.shape
+        C = qkv.n_plan
+        local.q[layer].scatter_(2, qkv.index[:, None, :, None].expand(-1, H, -1, hd), qkv.q[:, :, :C].to(local.q.dtype))
+        self.check(layer, qkv)
+        slots = self.plan.target_offset
+        q_win = qkv.q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd))
+        w = self.model.attention_probs(q_win, cache.k[layer], cache.key_valid, qkv.meter)  # [B, H, R, T + 1]
+        focus = (w * state.region_valid[:, None, :, None]).sum(dim=(1, 2))[:, : state.length]
+        pick = focus.masked_fill(self.masked, 0.0).topk(self.sel.config.track_num, dim=1).indices
+        keep = self.retrack_rows(layer)[:, None]
+        local.track[layer].copy_(torch.where(keep, pick, local.track[layer]))
+        return None
+
+
+class _FirstPass(_TrackPass):
+    """The first forward: every position at every layer."""
+
+
+class _CachedPass(_TrackPass):
+    """A ``cached`` step: the query rows at every layer, and the trigger test at each layer (module docstring)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        state, local = self.state, self.local
+        B, T, L = state.batch_size, state.length, state.n_layers
+        tracked = torch.zeros(B, T + 1, dtype=torch.bool, device=state.x.device)
+        tracked.scatter_(1, local.track.permute(1, 0, 2).reshape(B, -1), True)
+        tracked = tracked[:, :T] & local.member
+        K = min(T, L * self.sel.config.track_num)
+        self.track_pos = torch.sort((~tracked).to(torch.int8), dim=1, stable=True).indices[:, :K]  # [B, K]
+        self.track_valid = tracked.gather(1, self.track_pos)
+        slot = local.member.long().cumsum(dim=1) - 1
+        self.track_slots = slot.gather(1, self.track_pos).clamp(0, self.plan.index.shape[1] - 1)
+
+    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> None:
+        """Before the layer writes its keys: the tracked tokens' attention as it was (their cached queries over the
+        cached keys), ``[B, H, K, T + 1]``."""
+        q, B = self.local.q[layer], self.state.batch_size
+        H, hd = q.shape[1], q.shape[3]
+        past_q = q.gather(2, self.track_pos[:, None, :, None].expand(-1, H, -1, hd))
+        self.old = self.model.attention_probs(past_q, self.cache.k[layer], self.cache.key_valid, meter)
+        meter.rows(probe_rows=B * self.track_pos.shape[1])
+        return None
+
+    def check(self, layer: int, qkv: LayerQKV) -> None:
+        local, cache, state = self.local, self.cache, self.state
+        H, hd = qkv.q.shape[1], qkv.q.shape[3]
+        q_now = qkv.q.gather(2, self.track_slots[:, None, :, None].expand(-1, H, -1, hd))
+        now = self.model.attention_probs(q_now, cache.k[layer], cache.key_valid, qkv.meter)
+        cos = F.cosine_similarity(self.old, now, dim=1, eps=1e-8)  # [B, K, T + 1], over heads
+        weight = (self.track_valid[:, :, None] & cache.key_valid[:, None, :]).to(cos.dtype)
+        sim = (cos * weight).sum(dim=(1, 2)) / weight.sum(dim=(1, 2)).clamp_min(1.0)
+        hit = (local.fired == state.n_layers) & (sim < self.sel.config.gamma) & state.active
+        local.fired.copy_(torch.where(hit, layer, local.fired))
+        if self.detail is not None:  # an observer records: the similarity and the rows triggered so far
+            self.detail.similarity[layer] = sim
+            self.detail.triggered[layer] = local.fired <= layer
+
+
+class _RerunPass(_TrackPass):
+    """A ``rerun`` step: deferred rows recompute from the layer above their first trigger; the window rows are
+    computed (and the tracked tokens re-picked) at the layers above that one."""
+
+    def retrack_rows(self, layer: int) -> torch.Tensor:
+        return self.local.deferred & self.state.active & (layer >= self.local.fired + 2)
+
+
+_PASSES = {FIRST: _FirstPass, CACHED: _CachedPass, RERUN: _RerunPass}
