@@ -69,11 +69,13 @@ def _one_policy_per_stage() -> list[str]:
 _MODELS: dict = {}
 
 
-def _model(family: str):
-    if family not in _MODELS:  # two LLaDA layers cover the packet handed from one layer to the next; one Dream
+def _model(family: str, n_layers: int | None = None):
+    key = (family, n_layers)
+    if key not in _MODELS:  # two LLaDA layers cover the packet handed from one layer to the next; one Dream
         # layer covers the shifted logits and grouped K/V at half the tracing time
-        _MODELS[family] = make_model(family, seed=11, n_layers=2 if family == "llada" else 1, d_model=32)
-    return _MODELS[family]
+        layers = n_layers if n_layers is not None else 2 if family == "llada" else 1
+        _MODELS[key] = make_model(family, seed=11, n_layers=layers, d_model=32)
+    return _MODELS[key]
 
 
 def _decode(model, policy: str, batch: int, compile, overrides=None, on_step=None):
@@ -119,6 +121,16 @@ def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, bat
     probe, runner = _check_against_eager(_model(family), policy, batch, overrides)
     if family == "llada" and batch == 1 and not overrides and policy in GRAPHS_AT_BATCH_1:
         assert len(probe.graphs) == GRAPHS_AT_BATCH_1[policy], sorted(map(str, runner.phases))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_elastic_cache_recomputation_steps_are_replayable_graphs(batch):
+    """Elastic-Cache continues a forward whose tracked attention drifted in the next step, from the layer above the
+    trigger (one graph per such layer): on four layers with gamma 1 (it fires almost always) the steps that do it
+    are captured like the others, and decode as eagerly."""
+    probe, runner = _check_against_eager(_model("llada", n_layers=4), "elastic-cache", batch, {"gamma": 1.0})
+    reruns = {p.refresh for p in runner.phases if p.refresh[0] == "rerun"}
+    assert reruns and len(probe.graphs) == 2 + len(reruns) <= 2 + 2, sorted(map(str, runner.phases))
 
 
 def test_every_registered_policy_has_a_pinned_graph_count():
