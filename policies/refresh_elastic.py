@@ -19,14 +19,16 @@ and values of every position. A forward:
   the tracked tokens of a forward are the union over layers.
 
 Fixed shapes, one graph per step variant (:meth:`ElasticCacheRefresh.phase`): ``first`` (every position), ``cached``
-(the query rows, up to ``C = min(T, L·track_num + 2·R)`` plan slots, ``R`` the window width) and ``rerun`` from
-layer ``s``. A ``cached`` step runs every layer on the query rows and decides the trigger per row on the device;
-rows whose first trigger is below the last layer commit nothing (:meth:`ElasticCacheRefresh.held`) and their layer
-flags ride along the loop's one host read, so the next step is ``rerun`` from the lowest such layer ``l + 1``: in
-those rows, layer ``l + 1`` recomputes every position that was not a query row (the query rows' outputs there are
-already those of the cached pass, from the same inputs and keys) and the layers above recompute every position,
-then they commit. The cached pass's layers above ``l + 1`` in a triggered row are computed and discarded; they are
-counted. Shapes: query plan ``[B, C]``, rerun plan ``[L, B, T]``, attention rows ``[B, H, ·, T + 1]``, cached queries
+with ``C`` plan slots (the most query rows of a row, rounded up to a multiple of :data:`GRANULE`; counted at the end
+of the previous step and read with the loop's one host read) and ``rerun`` from layer ``s``. A ``cached`` step runs every layer on the query rows and decides the trigger per row on the device;
+rows whose first trigger ``l`` leaves a layer above the merge layer (``l ≤ L - 3``) commit nothing
+(:meth:`ElasticCacheRefresh.held`) and their trigger layers ride along the loop's one host read, so the next step is
+``rerun`` from the lowest such layer ``l + 1``: in those rows, layer ``l + 1`` recomputes every position that was
+not a query row (the query rows' outputs there are already those of the cached pass, from the same inputs and keys)
+and the layers above recompute every position, then they commit. A trigger at the last two layers changes no logit
+(the merge layer's query rows attend to the keys they attended to), so it is not recomputed. The cached pass's
+layers above ``l + 1`` in a triggered row are computed and discarded; they are counted. Shapes: query plan
+``[B, C]``, rerun plan ``[L, B, T]``, attention rows ``[B, H, ·, T + 1]``, cached queries
 ``[L, B, H, T + 1, hd]``, tracked tokens ``[L, B, track_num]``.
 """
 
@@ -45,6 +47,8 @@ from polestar.stages import LayerHook, RefreshSelector
 from polestar.state import DecodeState, StepPosition
 
 FIRST, CACHED, RERUN = "first", "cached", "rerun"
+#: a ``cached`` step's plan holds a multiple of this many slots (one graph per size met)
+GRANULE = 8
 
 
 @register("refresh", "elastic")
@@ -90,21 +94,38 @@ class ElasticCacheRefresh(RefreshSelector):
 
     def phase(self, position: StepPosition, state: DecodeState, local: ElasticState) -> tuple:
         """``("first",)`` at the generation's first step; ``("rerun", s)`` when the previous step deferred rows whose
-        lowest first trigger is at layer ``s - 1`` (its flags); else ``("cached",)``."""
+        lowest first trigger is at layer ``s - 1``; else ``("cached", C)`` with ``C`` plan slots, the query rows of
+        the row with most, rounded up to :data:`GRANULE` (both from the previous step's flags)."""
         if position.global_step == 0:
             return (FIRST,)
-        fired = [j for j, flag in enumerate(position.flags) if flag]
-        return (RERUN, fired[0] + 1) if fired else (CACHED,)
+        L = state.n_layers
+        reruns, sizes = position.flags[: max(L - 2, 0)], position.flags[max(L - 2, 0):]
+        fired = [j for j, flag in enumerate(reruns) if flag]
+        if fired:
+            return (RERUN, fired[0] + 1)
+        return (CACHED, min(state.length, GRANULE * (1 + sum(sizes))))
 
-    def capacity(self, state: DecodeState) -> int:
-        """Plan slots of a ``cached`` step: tracked tokens, the previous commits and the window's rows."""
+    def buckets(self, state: DecodeState) -> int:
+        """How many plan sizes a ``cached`` step may take (multiples of :data:`GRANULE` up to the most query rows a
+        step can have: tracked tokens, the previous commits and the window's rows)."""
         R = state.block_arange.shape[0]
-        return min(state.length, state.n_layers * self.config.track_num + 2 * R)
+        most = min(state.length, state.n_layers * self.config.track_num + 2 * R)
+        return -(-most // GRANULE)
+
+    def members(self, state: DecodeState, local: ElasticState, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T]`` bool: the next ``cached`` forward's query rows (tracked tokens, commits since the row's last
+        forward, the window's rows) in active rows, not left padding (``key_valid [B, T + 1]``, when given)."""
+        B, T = state.batch_size, state.length
+        rows = torch.where(state.region_valid, state.region - state.logit_shift, T)
+        member = torch.zeros(B, T + 1, dtype=torch.bool, device=state.x.device)
+        member.scatter_(1, local.track.permute(1, 0, 2).reshape(B, -1), True)
+        member.scatter_(1, rows, True)
+        member = (member[:, :T] | (local.seen & (state.x != state.mask_id))) & state.active[:, None]
+        return member if key_valid is None else member & key_valid[:, :T]
 
     def plan(self, state: DecodeState, cache: DecodeCache, local: ElasticState) -> Plan:
         kind = state.phase.refresh[0]
         B, T, shift = state.batch_size, state.length, state.logit_shift
-        rows = torch.where(state.region_valid, state.region - shift, T)  # the window's predicting rows
         if kind == RERUN:
             L = state.n_layers
             layer = torch.arange(L, device=state.x.device)[:, None, None]
@@ -113,20 +134,15 @@ class ElasticCacheRefresh(RefreshSelector):
             redo = (merge | (layer > f + 1)) & (local.deferred & state.active)[None, :, None]
             index = torch.arange(T, device=state.x.device).expand(L, B, T)
             return Plan(index, redo & cache.key_valid[None, :, :T], state.region - shift, state.phase.refresh[1])
-        is_mask = state.x == state.mask_id
         if kind == FIRST:
-            local.seen.copy_(is_mask)
+            local.seen.copy_(state.x == state.mask_id)
             plan = full_plan(B, T, state.x.device)
             return Plan(plan.index, plan.valid & state.active[:, None], state.region - shift)
-        member = torch.zeros(B, T + 1, dtype=torch.bool, device=state.x.device)
-        member.scatter_(1, local.track.permute(1, 0, 2).reshape(B, -1), True)
-        member.scatter_(1, rows, True)
-        member = member[:, :T] | (local.seen & ~is_mask)  # the row's commits since its previous forward
-        member = member & cache.key_valid[:, :T] & state.active[:, None]
+        member = self.members(state, local, cache.key_valid)
         local.member.copy_(member)
-        local.seen.copy_(is_mask)
+        local.seen.copy_(state.x == state.mask_id)
         local.fired.fill_(state.n_layers)
-        C = self.capacity(state)
+        C = state.phase.refresh[1]
         index = torch.sort((~member).to(torch.int8), dim=1, stable=True).indices[:, :C]
         slot = member.long().cumsum(dim=1) - 1  # [B, T] the plan slot of each member position
         target = slot.gather(1, (state.region - shift).clamp_min(0)).clamp(0, C - 1)
@@ -146,14 +162,16 @@ class ElasticCacheRefresh(RefreshSelector):
             return done
         return None
 
-    def next_step_flags(self, state: DecodeState, local: ElasticState) -> torch.Tensor | None:
-        """``[L - 2]`` bool: some row was deferred with its first trigger at layer ``j``."""
+    def next_step_flags(self, state: DecodeState, local: ElasticState) -> torch.Tensor:
+        """``[L - 2 + buckets - 1]`` bool: per layer ``j < L - 2``, some row was deferred with its first trigger at
+        ``j``; then the next ``cached`` step's plan size in a thermometer code (the most query rows of a row
+        exceeds ``GRANULE · i``, ``i = 1 ..``)."""
         L = state.n_layers
-        if L < 3:
-            return None
-        layer = torch.arange(L - 2, device=state.x.device)[:, None]
-        return (local.deferred[None, :] & (local.fired[None, :] == layer)).any(dim=1)
-
+        layer = torch.arange(max(L - 2, 0), device=state.x.device)[:, None]
+        reruns = (local.deferred[None, :] & (local.fired[None, :] == layer)).any(dim=1)
+        most = self.members(state, local).sum(dim=1).amax()  # left padding is never a query row
+        steps = GRANULE * torch.arange(1, self.buckets(state), device=state.x.device)
+        return torch.cat([reruns, most > steps])
 
 @attrs.define
 class ElasticState:

@@ -484,7 +484,7 @@ def _elastic_row(model, ids, gen_length, window_length, threshold, tokens_per_it
                 old = torch.softmax(past_q @ past_k.transpose(-2, -1) * (1 / math.sqrt(hd)), dim=-1)
                 sim = F.cosine_similarity(old, w[:, :, :track.shape[0]], dim=1).mean()
                 st["probe_rows"] += track.shape[0]
-                st["similarity"].append((i, layer, float(sim)))
+                st["similarity"].append((i, layer, float(sim.detach())))
                 if sim < gamma:
                     start = layer + 1
                     st["triggers"] += start < L  # a trigger at the last layer changes nothing
