@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from polestar.models.backbone import AttentionProbe
+from polestar.models.cost import StepCost
 from polestar.models.hooks import LayerHook as LayerHookProtocol
 from polestar.models.plan import DecodeCache, Plan
 
@@ -104,6 +105,12 @@ class RefreshSelector(Stage):
         (:class:`~polestar.region.BlockRegion`); a selector may return a sliding window
         (:class:`~polestar.region.WindowRegion`), whose columns move every step and differ per row."""
         return BlockRegion()
+
+    def look_ahead(self, state: DecodeState, cache: DecodeCache, model, local: Any) -> StepCost | None:
+        """After the step's commits, in the step: work for the next step's decisions that needs the model (whose
+        results reach :meth:`next_step_flags` through ``local``); returns what it computed as a
+        :class:`~polestar.models.cost.StepCost` (added to the step's), or None. Default: nothing."""
+        return None
 
     def held(self, state: DecodeState, local: Any) -> torch.Tensor | None:
         """``[B]`` bool, after the forward: rows whose forward is not complete at this step (it continues in the

@@ -305,6 +305,9 @@ def decode_step(gen: Generation) -> StepOutput:
         totals.finished.logical_or_(done)
     state.active.copy_(~totals.finished & state.block_masked_any())
     work = state.schedule.work(state, totals.finished)
+    ahead = refresh.look_ahead(state, cache, model, gen.refresh_local)
+    if ahead is not None:  # the selector's work for the next step's decisions, after the commits
+        cost = StepCost(*(a + b for a, b in zip(cost, ahead)))
     flags = refresh.next_step_flags(state, gen.refresh_local)
     if flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
         work = torch.cat([work, flags])

@@ -40,13 +40,15 @@ import torch.nn.functional as F
 from attrs import validators as v
 
 from polestar.models.backbone import LayerQKV
+from polestar.models.cost import CostMeter, StepCost
+from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
 from polestar.state import DecodeState, StepPosition
 
-FIRST, CACHED, RERUN = "first", "cached", "rerun"
+FIRST, CACHED, FIRE0, RERUN = "first", "cached", "fire0", "rerun"
 #: a ``cached`` step's plan holds a multiple of this many slots (one graph per size met)
 GRANULE = 8
 
@@ -78,7 +80,9 @@ class ElasticCacheRefresh(RefreshSelector):
             fired=torch.full((B,), L, dtype=torch.long, device=device),
             deferred=torch.zeros(B, dtype=torch.bool, device=device),
             seen=torch.zeros(B, T, dtype=torch.bool, device=device),
-            member=torch.zeros(B, T, dtype=torch.bool, device=device))
+            member=torch.zeros(B, T, dtype=torch.bool, device=device),
+            fired0=torch.zeros(B, dtype=torch.bool, device=device),
+            sim0=torch.zeros(B, device=device))
 
     def begin_generation(self, local: ElasticState, state: DecodeState, cache: DecodeCache, model) -> None:
         spec = model.spec
@@ -91,6 +95,8 @@ class ElasticCacheRefresh(RefreshSelector):
         local.deferred.zero_()
         local.seen.zero_()
         local.member.zero_()
+        local.fired0.zero_()
+        local.sim0.zero_()
 
     def phase(self, position: StepPosition, state: DecodeState, local: ElasticState) -> tuple:
         """``("first",)`` at the generation's first step; ``("rerun", s)`` when the previous step deferred rows whose
@@ -99,11 +105,21 @@ class ElasticCacheRefresh(RefreshSelector):
         if position.global_step == 0:
             return (FIRST,)
         L = state.n_layers
-        reruns, sizes = position.flags[: max(L - 2, 0)], position.flags[max(L - 2, 0):]
+        n_rerun, n_ahead = max(L - 2, 0), int(self.ahead(state))
+        reruns, fire0, sizes = (position.flags[:n_rerun], position.flags[n_rerun : n_rerun + n_ahead],
+                                position.flags[n_rerun + n_ahead :])
         fired = [j for j, flag in enumerate(reruns) if flag]
         if fired:
             return (RERUN, fired[0] + 1)
+        if any(fire0):
+            return (FIRE0,)
         return (CACHED, min(state.length, GRANULE * (1 + sum(sizes))))
+
+    @staticmethod
+    def ahead(state: DecodeState) -> bool:
+        """Whether layer 0's trigger is decided ahead, at the end of the previous step: with three layers or more
+        (with fewer a trigger at layer 0 changes no logit, see the module docstring)."""
+        return state.n_layers >= 3
 
     def buckets(self, state: DecodeState) -> int:
         """How many plan sizes a ``cached`` step may take (multiples of :data:`GRANULE` up to the most query rows a
@@ -141,7 +157,13 @@ class ElasticCacheRefresh(RefreshSelector):
         member = self.members(state, local, cache.key_valid)
         local.member.copy_(member)
         local.seen.copy_(state.x == state.mask_id)
-        local.fired.fill_(state.n_layers)
+        local.fired.copy_(torch.where(local.fired0, -1, state.n_layers))
+        if kind == FIRE0:  # layer 0: the query rows; above: every position in rows that fired, the query rows else
+            L = state.n_layers
+            first = torch.arange(L, device=state.x.device)[:, None, None] == 0
+            rows = torch.where(local.fired0[:, None], cache.key_valid[:, :T], member)
+            index = torch.arange(T, device=state.x.device).expand(L, B, T)
+            return Plan(index, torch.where(first, member[None], rows[None]), state.region - shift)
         C = state.phase.refresh[1]
         index = torch.sort((~member).to(torch.int8), dim=1, stable=True).indices[:, :C]
         slot = member.long().cumsum(dim=1) - 1  # [B, T] the plan slot of each member position
@@ -153,8 +175,9 @@ class ElasticCacheRefresh(RefreshSelector):
 
     def held(self, state: DecodeState, local: ElasticState) -> torch.Tensor | None:
         kind = state.phase.refresh[0]
-        if kind == CACHED:  # rows whose first trigger leaves a layer above the merge layer: continued next step
-            local.deferred.copy_((local.fired < state.n_layers - 2) & state.active)
+        if kind in (CACHED, FIRE0):  # rows whose first trigger leaves a layer above the merge layer: continued next
+            fired = local.fired
+            local.deferred.copy_((fired >= 0) & (fired < state.n_layers - 2) & state.active)
             return local.deferred.clone()
         if kind == RERUN:  # the other rows completed their forward at the previous step
             done = ~local.deferred
@@ -163,15 +186,77 @@ class ElasticCacheRefresh(RefreshSelector):
         return None
 
     def next_step_flags(self, state: DecodeState, local: ElasticState) -> torch.Tensor:
-        """``[L - 2 + buckets - 1]`` bool: per layer ``j < L - 2``, some row was deferred with its first trigger at
-        ``j``; then the next ``cached`` step's plan size in a thermometer code (the most query rows of a row
-        exceeds ``GRANULE · i``, ``i = 1 ..``)."""
+        """``[L - 2 + 1 + buckets - 1]`` bool: per layer ``j < L - 2``, some row was deferred with its first trigger
+        at ``j``; whether some row's next forward fires at layer 0 (:meth:`look_ahead`; with three layers or more);
+        then the next ``cached`` step's plan size in a thermometer code (the most query rows of a row exceeds
+        ``GRANULE · i``, ``i = 1 ..``)."""
         L = state.n_layers
         layer = torch.arange(max(L - 2, 0), device=state.x.device)[:, None]
         reruns = (local.deferred[None, :] & (local.fired[None, :] == layer)).any(dim=1)
+        fire0 = local.fired0.any(dim=0, keepdim=True)[: int(self.ahead(state))]
         most = self.members(state, local).sum(dim=1).amax()  # left padding is never a query row
         steps = GRANULE * torch.arange(1, self.buckets(state), device=state.x.device)
-        return torch.cat([reruns, most > steps])
+        return torch.cat([reruns, fire0, most > steps])
+
+    def look_ahead(self, state: DecodeState, cache: DecodeCache, model, local: ElasticState) -> StepCost | None:
+        """After the step's commits: the layer-0 trigger of each row's next forward (its query rows' queries and keys
+        at layer 0 are projected from their embeddings, the tracked tokens' attention compared as at any layer),
+        into ``local.fired0`` and ``local.sim0``; the rows it fires in are recomputed from layer 1 in that forward
+        (one step, no deferral). Rows deferred by this step are decided after their recomputation. Counted as probe
+        rows: the query rows' q/k projections and the tracked tokens' previous attention."""
+        if not self.ahead(state):
+            return None
+        meter = CostMeter()
+        spec, B, T = model.spec, state.batch_size, state.length
+        member = self.members(state, local, cache.key_valid) & ~local.deferred[:, None]
+        C = min(T, GRANULE * self.buckets(state))
+        index = torch.sort((~member).to(torch.int8), dim=1, stable=True).indices[:, :C]
+        index = torch.where(member.gather(1, index), index, cache.trash)
+        parts = model.layer_parts(0)
+        tokens = torch.cat([state.x, state.x[:, :1]], dim=1).gather(1, index)
+        meter.embedding(model.embedding_weight(), tokens.numel())
+        x = parts.attn_norm(model.embed(tokens))
+        q = parts.q(x).view(B, C, spec.n_heads, spec.head_dim).transpose(1, 2)
+        k = parts.k(x).view(B, C, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        cos, sin = model.rotary.cos_sin(cache.positions.gather(1, index))
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        meter.weight(parts.attn_norm.weight)
+        meter.linear(parts.q)
+        meter.linear(parts.k)
+        keys = cache.k[0].scatter(2, index[:, None, :, None].expand(-1, spec.n_kv_heads, -1, spec.head_dim), k)
+        track_pos, track_valid = tracked_tokens(local, member, self.config.track_num)
+        slot = (member.long().cumsum(dim=1) - 1).gather(1, track_pos).clamp(0, C - 1)
+        H, hd = spec.n_heads, spec.head_dim
+        old = model.attention_probs(local.q[0].gather(2, track_pos[:, None, :, None].expand(-1, H, -1, hd)),
+                                    cache.k[0], cache.key_valid, meter)
+        now = model.attention_probs(q.gather(2, slot[:, None, :, None].expand(-1, H, -1, hd)), keys,
+                                    cache.key_valid, meter)
+        sim = attention_cosine(old, now, track_valid, cache.key_valid)
+        meter.rows(probe_rows=B * (C + track_pos.shape[1]))
+        local.sim0.copy_(sim)
+        local.fired0.copy_((sim < self.config.gamma) & track_valid.any(dim=1) & state.active & ~local.deferred)
+        return meter.result()
+
+
+def tracked_tokens(local: ElasticState, member: torch.Tensor, track_num: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tracked tokens (the union of every layer's ``local.track``) among the query rows ``member [B, T]``:
+    positions ``[B, K]`` (ascending, ``K = min(T, L·track_num)``) and their validity ``[B, K]``."""
+    L, B = local.track.shape[0], member.shape[0]
+    T = member.shape[1]
+    tracked = torch.zeros(B, T + 1, dtype=torch.bool, device=member.device)
+    tracked.scatter_(1, local.track.permute(1, 0, 2).reshape(B, -1), True)
+    tracked = tracked[:, :T] & member
+    pos = torch.sort((~tracked).to(torch.int8), dim=1, stable=True).indices[:, : min(T, L * track_num)]
+    return pos, tracked.gather(1, pos)
+
+
+def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """Elastic-Cache's similarity: the cosine over heads of two attention distributions ``[B, H, K, T + 1]`` of the
+    same tokens, averaged over the valid tokens (``valid [B, K]``) and keys (``key_valid [B, T + 1]``) → ``[B]``."""
+    cos = F.cosine_similarity(old, now, dim=1, eps=1e-8)  # [B, K, T + 1]
+    weight = (valid[:, :, None] & key_valid[:, None, :]).to(cos.dtype)
+    return (cos * weight).sum(dim=(1, 2)) / weight.sum(dim=(1, 2)).clamp_min(1.0)
+
 
 @attrs.define
 class ElasticState:
@@ -179,7 +264,9 @@ class ElasticState:
     hd]`` every position's last query (after RoPE) per layer; ``track [L, B, track_num]`` each layer's tracked
     tokens; ``fired [B]`` the layer of the row's first trigger in the current forward (``L``: none); ``deferred
     [B]`` rows whose forward continues at the next step; ``seen [B, T]`` the masked positions at the row's last
-    forward (its commits since are the next query rows); ``member [B, T]`` the last ``cached`` step's query rows."""
+    forward (its commits since are the next query rows); ``member [B, T]`` the last ``cached`` step's query rows;
+    ``fired0 [B]`` and ``sim0 [B]``: the next forward's layer-0 trigger and similarity, decided at the end of the
+    previous step (:meth:`ElasticCacheRefresh.look_ahead`); ``fired`` is ``-1`` in a row recomputed from layer 1."""
 
     q: torch.Tensor | None
     track: torch.Tensor
@@ -187,6 +274,8 @@ class ElasticState:
     deferred: torch.Tensor
     seen: torch.Tensor
     member: torch.Tensor
+    fired0: torch.Tensor
+    sim0: torch.Tensor
 
 
 class _TrackPass(LayerHook):
@@ -234,20 +323,20 @@ class _CachedPass(_TrackPass):
 
     def __init__(self, *args):
         super().__init__(*args)
-        state, local = self.state, self.local
-        B, T, L = state.batch_size, state.length, state.n_layers
-        tracked = torch.zeros(B, T + 1, dtype=torch.bool, device=state.x.device)
-        tracked.scatter_(1, local.track.permute(1, 0, 2).reshape(B, -1), True)
-        tracked = tracked[:, :T] & local.member
-        K = min(T, L * self.sel.config.track_num)
-        self.track_pos = torch.sort((~tracked).to(torch.int8), dim=1, stable=True).indices[:, :K]  # [B, K]
-        self.track_valid = tracked.gather(1, self.track_pos)
-        slot = local.member.long().cumsum(dim=1) - 1
-        self.track_slots = slot.gather(1, self.track_pos).clamp(0, self.plan.index.shape[1] - 1)
+        local = self.local
+        self.track_pos, self.track_valid = tracked_tokens(local, local.member, self.sel.config.track_num)
+        if self.plan.per_layer:  # a ``fire0`` step: slot == position
+            self.track_slots = self.track_pos
+        else:
+            slot = local.member.long().cumsum(dim=1) - 1
+            self.track_slots = slot.gather(1, self.track_pos).clamp(0, self.plan.index.shape[1] - 1)
+        self.skip0 = self.sel.ahead(self.state)  # layer 0's trigger was decided ahead
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> None:
         """Before the layer writes its keys: the tracked tokens' attention as it was (their cached queries over the
         cached keys), ``[B, H, K, T + 1]``."""
+        if layer == 0 and self.skip0:
+            return None
         q, B = self.local.q[layer], self.state.batch_size
         H, hd = q.shape[1], q.shape[3]
         past_q = q.gather(2, self.track_pos[:, None, :, None].expand(-1, H, -1, hd))
@@ -257,12 +346,15 @@ class _CachedPass(_TrackPass):
 
     def check(self, layer: int, qkv: LayerQKV) -> None:
         local, cache, state = self.local, self.cache, self.state
+        if layer == 0 and self.skip0:
+            if self.detail is not None:
+                self.detail.similarity[0] = local.sim0.clone()
+                self.detail.triggered[0] = local.fired <= 0
+            return
         H, hd = qkv.q.shape[1], qkv.q.shape[3]
         q_now = qkv.q.gather(2, self.track_slots[:, None, :, None].expand(-1, H, -1, hd))
         now = self.model.attention_probs(q_now, cache.k[layer], cache.key_valid, qkv.meter)
-        cos = F.cosine_similarity(self.old, now, dim=1, eps=1e-8)  # [B, K, T + 1], over heads
-        weight = (self.track_valid[:, :, None] & cache.key_valid[:, None, :]).to(cos.dtype)
-        sim = (cos * weight).sum(dim=(1, 2)) / weight.sum(dim=(1, 2)).clamp_min(1.0)
+        sim = attention_cosine(self.old, now, self.track_valid, cache.key_valid)
         hit = (local.fired == state.n_layers) & (sim < self.sel.config.gamma) & state.active
         local.fired.copy_(torch.where(hit, layer, local.fired))
         if self.detail is not None:  # an observer records: the similarity and the rows triggered so far
@@ -278,4 +370,4 @@ class _RerunPass(_TrackPass):
         return self.local.deferred & self.state.active & (layer >= self.local.fired + 2)
 
 
-_PASSES = {FIRST: _FirstPass, CACHED: _CachedPass, RERUN: _RerunPass}
+_PASSES = {FIRST: _FirstPass, CACHED: _CachedPass, FIRE0: _CachedPass, RERUN: _RerunPass}
