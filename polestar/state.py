@@ -148,7 +148,9 @@ class StepRecord(NamedTuple):
     ``tokens_before``/``tokens_after``: ``[B, T]`` (``tokens_after`` includes the EOS fill of finished rows);
     ``committed``: ``[B, T]`` bool, positions that held the mask token before and not after;
     ``origins``: :class:`CommitOrigins`; ``cost``: the step's :class:`~polestar.models.cost.StepCost` (plain ints,
-    whole batch); ``detail``: the step's :class:`StepDetail` (what the stages gathered for observers).
+    whole batch); ``detail``: the step's :class:`StepDetail` (what the stages gathered for observers); ``region``:
+    ``[B, R]`` long, the columns of the step's commit region (entry ``j`` of ``masked``, ``confidence`` and
+    ``origins``: ``block_start + j`` in a block, a sliding window's own columns otherwise).
     """
 
     step: int
@@ -166,6 +168,7 @@ class StepRecord(NamedTuple):
     origins: CommitOrigins
     cost: StepCost | None = None
     detail: StepDetail | None = None
+    region: torch.Tensor | None = None
 
 
 class ClusterDrift(NamedTuple):

@@ -217,13 +217,15 @@ def persistent_tensors(gen: Generation) -> list[torch.Tensor]:
 class StepView(NamedTuple):
     """What an observer sees of one step (returned only while one records; the loop copies it before the next
     step): ``plan``; ``stepped [B]`` rows that decoded; ``masked [B, bl]`` the block's masked positions before the
-    commit; ``confidence [B, bl]`` float64; ``origins``: :class:`CommitOrigins`."""
+    commit; ``confidence [B, bl]`` float64; ``origins``: :class:`CommitOrigins`; ``region [B, bl]`` the columns of
+    those entries (the block's, or a sliding window's)."""
 
     plan: Plan
     stepped: torch.Tensor
     masked: torch.Tensor
     confidence: torch.Tensor
     origins: CommitOrigins
+    region: torch.Tensor | None = None
 
 
 class StepOutput(NamedTuple):
@@ -285,6 +287,7 @@ def decode_step(gen: Generation) -> StepOutput:
     rule_transfer, transfer = transfer, transfer | forced
     state.last_commits.copy_(transfer.sum(dim=1))
     cols = state.block_columns()
+    seen_cols = cols.clone() if state.detail is not None else None  # the region moves in place below
     block_x = state.x.gather(1, cols)
     state.x.scatter_(1, cols, torch.where(transfer, pred.tokens, block_x))
     state.schedule.advance(state, transfer, pred.tokens, gen.stops)
@@ -316,7 +319,7 @@ def decode_step(gen: Generation) -> StepOutput:
     view = None
     if state.detail is not None:
         view = StepView(plan, stepped, masked, pred.confidence,
-                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra))
+                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra), seen_cols)
     return StepOutput(work, cost, view)
 
 

@@ -18,18 +18,26 @@ and values of every position. A forward:
   window's rows attend to most (summed over heads and window rows), among positions that are not still masked;
   the tracked tokens of a forward are the union over layers.
 
-Fixed shapes, one graph per step variant (:meth:`ElasticCacheRefresh.phase`): ``first`` (every position), ``cached``
-with ``C`` plan slots (the most query rows of a row, rounded up to a multiple of :data:`GRANULE`; counted at the end
-of the previous step and read with the loop's one host read) and ``rerun`` from layer ``s``. A ``cached`` step runs every layer on the query rows and decides the trigger per row on the device;
-rows whose first trigger ``l`` leaves a layer above the merge layer (``l ≤ L - 3``) commit nothing
-(:meth:`ElasticCacheRefresh.held`) and their trigger layers ride along the loop's one host read, so the next step is
-``rerun`` from the lowest such layer ``l + 1``: in those rows, layer ``l + 1`` recomputes every position that was
-not a query row (the query rows' outputs there are already those of the cached pass, from the same inputs and keys)
-and the layers above recompute every position, then they commit. A trigger at the last two layers changes no logit
-(the merge layer's query rows attend to the keys they attended to), so it is not recomputed. The cached pass's
-layers above ``l + 1`` in a triggered row are computed and discarded; they are counted. Shapes: query plan
-``[B, C]``, rerun plan ``[L, B, T]``, attention rows ``[B, H, ·, T + 1]``, cached queries
-``[L, B, H, T + 1, hd]``, tracked tokens ``[L, B, track_num]``.
+Fixed shapes, one graph per step variant (:meth:`ElasticCacheRefresh.phase`), all chosen from flags read with the
+loop's one host read per step:
+
+* ``first``: every position at every layer;
+* ``cached``: the query rows at every layer, ``C`` plan slots (the most query rows of a row, rounded up to a
+  multiple of :data:`GRANULE`), the trigger decided per row on the device at layers ``1 ..``;
+* ``fire0``: layer 0's trigger is decided at the end of the previous step (:meth:`ElasticCacheRefresh.look_ahead`:
+  the query rows' layer-0 queries and keys projected from their embeddings); when it fires in some row, the step's
+  plan is ``[L, B, T]``: layer 0 computes the query rows, the layers above every position in the rows that fired
+  and the query rows in the others (which check the trigger from layer 1);
+* ``rerun`` from layer ``s``: rows whose first trigger ``l ≥ 1`` leaves a layer above the merge layer
+  (``l ≤ L - 3``) commit nothing in their ``cached`` step (:meth:`ElasticCacheRefresh.held`); the next step
+  recomputes them, at layer ``l + 1`` every position that was not a query row (the query rows' outputs there are
+  already the cached pass's, from the same inputs and keys), above it every position, and they commit. The cached
+  pass's layers above ``l + 1`` are computed and thrown away (counted).
+
+A trigger at the last two layers changes no logit (the merge layer's query rows attend to the keys they attended
+to), so it is not recomputed. Each row's forwards are the method's; the loop's steps include the ``rerun`` steps.
+Shapes: query plan ``[B, C]``, ``fire0`` and ``rerun`` plans ``[L, B, T]``, attention rows ``[B, H, ·, T + 1]``,
+cached queries ``[L, B, H, T + 1, hd]``, tracked tokens ``[L, B, track_num]``.
 """
 
 from __future__ import annotations
