@@ -131,3 +131,43 @@ def test_by_default_the_window_stops_at_the_models_eos(name):
     # with the library's stop at EOS the masks right of the EOS become EOS; the text is the same
     stopped = run_policy(model, PROMPTS, stop_at_eos=True)
     assert stopped.texts == out.texts
+
+
+def _window_state(rows, P=2, R=3, eos=0, mask=9):
+    """A decode state over generation rows ``rows`` (lists of ids, ``mask`` masked) after a prompt of ``P``."""
+    from polestar.config import GenerationConfig
+    from polestar.region import WindowRegion
+    from polestar.state import DecodeState, StepClock
+
+    G = len(rows[0])
+    x = torch.tensor([[5] * P + r for r in rows])
+    state = DecodeState(x=x, active=torch.ones(len(rows), dtype=torch.bool), config=GenerationConfig(G, G),
+                        mask_id=mask, eos_id=eos, prompt_len=P, logit_shift=0, n_layers=1,
+                        generator=torch.Generator().manual_seed(0), clock=StepClock.at(P, "cpu"),
+                        schedule=WindowRegion(R))
+    state.schedule.begin_block(state)
+    return state
+
+
+def test_the_window_is_each_rows_first_masked_positions_and_stops_at_the_first_eos_step():
+    state = _window_state([[9, 3, 9, 9, 4, 9], [3, 4, 9, 3, 3, 3]])
+    # the first three masked columns in order; a row with fewer gets distinct committed columns, marked invalid
+    assert state.region.tolist() == [[2, 4, 5], [4, 2, 3]]
+    assert state.region_valid.tolist() == [[True, True, True], [True, False, False]]
+    assert state.block_masked().tolist() == [[True, True, True], [True, False, False]]
+    # row 0 commits an EOS at column 5 and a token at 2; the window then never passes column 5
+    committed = torch.tensor([[True, False, True], [False, False, False]])
+    tokens = torch.tensor([[7, 0, 0], [0, 0, 0]])
+    state.x[0, 2], state.x[0, 5] = 7, 0
+    state.schedule.advance(state, committed, tokens, torch.tensor([0]))
+    assert state.horizon.tolist() == [5, state.length]
+    assert state.region[0].tolist()[:1] == [4] and state.region_valid[0].tolist() == [True, False, False]
+    # a later EOS further left does not move the bound; once nothing is left the row has no work
+    state.x[0, 4] = 0
+    state.schedule.advance(state, torch.tensor([[True, False, False], [False] * 3]), torch.tensor([[0, 0, 0], [0] * 3]),
+                           torch.tensor([0]))
+    assert state.horizon.tolist() == [5, state.length] and not state.region_valid[0].any()
+    state.x[1, 4] = 3
+    state.schedule.advance(state, torch.zeros(2, 3, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.long),
+                           torch.tensor([0]))
+    assert state.schedule.work(state, torch.zeros(2, dtype=torch.bool)).tolist() == [False]
