@@ -12,7 +12,8 @@ entries) and commits some of them. Two schedules:
   still-masked positions in position order, crossing any block boundary; the loop block is the whole generation.
   It moves after every step (:meth:`WindowRegion.advance`, in the step, no host read). After the first step that
   commits a stop token, a row's window never passes that step's leftmost stop token (``DecodeState.horizon``), as
-  in the method's code: positions right of it are not decoded.
+  in the method's code: positions right of it are not decoded (with ``stop_at_eos`` the engine then fills them
+  with EOS).
 
 Both are fixed-shape: ``R`` is fixed for the generation, and a window with fewer than ``R`` candidates left is
 padded with distinct committed columns marked invalid.
@@ -57,7 +58,7 @@ class WindowRegion:
     """A sliding window of the first ``window_length`` masked positions of each row (see the module docstring).
 
     ``eos_id``: the token whose first commit bounds the window (None: the generation's stop tokens, the model's EOS
-    and end-of-turn ids). Shapes: ``region, region_valid [B, R]`` with ``R = min(window_length, gen_length)``,
+    and end-of-turn ids, when the generation stops at EOS; else no bound). Shapes: ``region, region_valid [B, R]`` with ``R = min(window_length, gen_length)``,
     ``horizon [B]`` (``T`` while no stop token was committed)."""
 
     window_length: int = attrs.field(validator=[v.instance_of(int), v.ge(1)])
@@ -85,9 +86,13 @@ class WindowRegion:
     def begin_block(self, state) -> None:
         self._write(state)
 
-    def advance(self, state, committed: torch.Tensor, tokens: torch.Tensor, stops) -> None:
+    def advance(self, state, committed: torch.Tensor, tokens: torch.Tensor, stops: torch.Tensor | None) -> None:
         """After the step's commits (``committed, tokens [B, R]`` at the region's columns): bound the window at the
-        first step's leftmost committed stop token, then move it to the masked positions left."""
+        first step's leftmost committed stop token (``eos_id``, else one of ``stops [S]``; None: no bound), then move
+        it to the masked positions left."""
+        if self.eos_id is None and stops is None:
+            self._write(state)
+            return
         is_stop = tokens == self.eos_id if self.eos_id is not None else torch.isin(tokens, stops)
         stop_now = committed & is_stop
         T = state.length

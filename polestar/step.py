@@ -290,7 +290,7 @@ def decode_step(gen: Generation) -> StepOutput:
     seen_cols = cols.clone() if state.detail is not None else None  # the region moves in place below
     block_x = state.x.gather(1, cols)
     state.x.scatter_(1, cols, torch.where(transfer, pred.tokens, block_x))
-    state.schedule.advance(state, transfer, pred.tokens, gen.stops)
+    state.schedule.advance(state, transfer, pred.tokens, gen.stops if config.stop_at_eos else None)
     extra = commit.suffix(state, gen.commit_local, packet)
     if extra is not None:
         keep = state.x.gather(1, extra.positions)

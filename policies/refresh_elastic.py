@@ -66,8 +66,9 @@ class ElasticCacheRefresh(RefreshSelector):
     """Elastic-Cache (see the module docstring): ``window_length`` the sliding window's width, ``gamma`` the
     attention-cosine bound, ``track_num`` tracked tokens per layer. ``eos_id``: the token whose first commit bounds
     the window (positions right of it are not decoded): None (default) takes the generation's stop tokens (the
-    model's EOS); the released code hard-codes 126081 (LLaDA-8B's ``<|endoftext|>``), which on any other vocabulary
-    never stops it: ``eos_id=126081`` (with ``stop_at_eos=False``) reproduces that."""
+    model's EOS) when it stops at EOS (``stop_at_eos``), else none; the released code hard-codes 126081 (LLaDA-8B's
+    ``<|endoftext|>``), which on any other vocabulary never stops it: ``eos_id=126081`` with ``stop_at_eos=False``
+    reproduces that (an explicit id bounds the window whatever ``stop_at_eos`` says)."""
 
     @attrs.frozen
     class Config:

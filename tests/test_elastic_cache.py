@@ -113,24 +113,26 @@ def test_gamma_zero_never_recomputes_and_the_first_forward_is_the_only_full_one(
 
 
 @pytest.mark.parametrize("name", ("tiny-llada", "tiny-dream"))
-def test_by_default_the_window_stops_at_the_models_eos(name):
-    """The released code bounds the window at the first committed ``eos_id``, hard-coded to LLaDA-8B's id; the
-    policy takes the generation's stop tokens instead (the model's EOS), and ``eos_id`` sets one id as the
-    released code does."""
+def test_the_window_stops_at_the_models_eos_by_default(name):
+    """The released code bounds the window at the first committed ``eos_id``, hard-coded to LLaDA-8B's id. The
+    policy bounds it at the model's EOS when decoding stops at EOS (the default; the positions right of it are then
+    filled with EOS), and ``eos_id`` sets one id as the released code does."""
     model = _model(name)
     eos = model.spec.eos_id
-    out = run_policy(model, PROMPTS)
+    bounded = run_policy(model, PROMPTS, eos_id=eos)
     want, stats = run_reference(model, PROMPTS, eos_id=eos)
-    P = out.prompt_len
-    assert out.tokens[:, P:].tolist() == want[:, P:].tolist()
-    assert [s.nfe for s in out.stats.sequences] == [s["nfe"] for s in stats]
+    P = bounded.prompt_len
+    assert bounded.tokens[:, P:].tolist() == want[:, P:].tolist()
+    assert [s.nfe for s in bounded.stats.sequences] == [s["nfe"] for s in stats]
     assert any(eos in row and model.spec.mask_id in row for row in want[:, P:].tolist())  # the rule mattered
-    official = run_policy(model, PROMPTS, eos_id=OFFICIAL_EOS)
-    never, _ = run_reference(model, PROMPTS)
-    assert official.tokens[:, P:].tolist() == never[:, P:].tolist()
-    # with the library's stop at EOS the masks right of the EOS become EOS; the text is the same
-    stopped = run_policy(model, PROMPTS, stop_at_eos=True)
-    assert stopped.texts == out.texts
+    # by default: the same text, at most as many forwards (a row is done once everything left of its first EOS is)
+    default = run_policy(model, PROMPTS, stop_at_eos=True)
+    assert default.texts == bounded.texts
+    assert all(a.nfe <= b.nfe for a, b in zip(default.stats.sequences, bounded.stats.sequences))
+    assert model.spec.mask_id not in default.tokens[:, P:].tolist()
+    # not stopping at EOS and no id: nothing bounds the window
+    free, _ = run_reference(model, PROMPTS)
+    assert run_policy(model, PROMPTS).tokens[:, P:].tolist() == free[:, P:].tolist()
 
 
 def _window_state(rows, P=2, R=3, eos=0, mask=9):
