@@ -273,7 +273,8 @@ def _record(gen: Generation, out, position: StepPosition, before: torch.Tensor) 
     view, detail = _copies(out.view), _copies(state.detail)
     return StepRecord(position.global_step, position.block_index, position.step, position.block_start,
                       position.block_end, view.plan, view.stepped, view.masked, view.confidence, before, after,
-                      (before == mask_id) & (after != mask_id), view.origins, out.cost, detail, view.region)
+                      (before == mask_id) & (after != mask_id), view.origins, out.cost, detail, view.region,
+                      view.held)
 
 
 def _copies(obj):

@@ -150,7 +150,8 @@ class StepRecord(NamedTuple):
     ``origins``: :class:`CommitOrigins`; ``cost``: the step's :class:`~polestar.models.cost.StepCost` (plain ints,
     whole batch); ``detail``: the step's :class:`StepDetail` (what the stages gathered for observers); ``region``:
     ``[B, R]`` long, the columns of the step's commit region (entry ``j`` of ``masked``, ``confidence`` and
-    ``origins``: ``block_start + j`` in a block, a sliding window's own columns otherwise).
+    ``origins``: ``block_start + j`` in a block, a sliding window's own columns otherwise); ``held``: ``[B]`` bool,
+    rows the step computed without completing their forward (it continues at the next step; not in ``active``).
     """
 
     step: int
@@ -169,6 +170,7 @@ class StepRecord(NamedTuple):
     cost: StepCost | None = None
     detail: StepDetail | None = None
     region: torch.Tensor | None = None
+    held: torch.Tensor | None = None
 
 
 class ClusterDrift(NamedTuple):

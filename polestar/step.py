@@ -218,7 +218,8 @@ class StepView(NamedTuple):
     """What an observer sees of one step (returned only while one records; the loop copies it before the next
     step): ``plan``; ``stepped [B]`` rows that decoded; ``masked [B, bl]`` the block's masked positions before the
     commit; ``confidence [B, bl]`` float64; ``origins``: :class:`CommitOrigins`; ``region [B, bl]`` the columns of
-    those entries (the block's, or a sliding window's)."""
+    those entries (the block's, or a sliding window's); ``held [B]`` rows whose forward continues at the next step
+    (:meth:`~polestar.stages.RefreshSelector.held`: computed, not committed)."""
 
     plan: Plan
     stepped: torch.Tensor
@@ -226,6 +227,7 @@ class StepView(NamedTuple):
     confidence: torch.Tensor
     origins: CommitOrigins
     region: torch.Tensor | None = None
+    held: torch.Tensor | None = None
 
 
 class StepOutput(NamedTuple):
@@ -319,7 +321,8 @@ def decode_step(gen: Generation) -> StepOutput:
     view = None
     if state.detail is not None:
         view = StepView(plan, stepped, masked, pred.confidence,
-                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra), seen_cols)
+                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra), seen_cols,
+                        torch.zeros_like(stepped) if held is None else held)
     return StepOutput(work, cost, view)
 
 
