@@ -88,7 +88,10 @@ class CommitRecorder:
         ref = self.reference
         P = record.tokens_after.shape[1] - ref.shape[1]
         right = record.tokens_after[:, P:] == ref  # [B, G]
-        in_block = right[:, record.block_start - P : record.block_end - P]
+        if record.region is None:
+            in_block = right[:, record.block_start - P : record.block_end - P]
+        else:  # the step's commit region (a sliding window's columns are not a slice)
+            in_block = right.gather(1, record.region - P)
         c = self.counts
         c["right_confident"] += int((taken & (record.confidence >= self.tau) & in_block).sum())
         c["right_top1_below_tau"] += int((below & top1 & in_block).sum())

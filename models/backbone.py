@@ -191,7 +191,9 @@ class DiffusionLM(nn.Module):
         probe_out = None
         prev_index = None
         h = None
-        for layer in range(spec.n_layers):
+        if plan.first_layer > 0 and not plan.per_layer:
+            raise ValueError("a plan that starts above layer 0 must be per layer")
+        for layer in range(plan.first_layer, spec.n_layers):
             index, valid = plan.at(layer)
             index = torch.where(valid, index, trash)
             if layer == 0:
@@ -201,7 +203,8 @@ class DiffusionLM(nn.Module):
             elif plan.per_layer:
                 if cache.hidden is None:
                     raise ValueError("a per-layer plan needs a cache made with store_hidden=True")
-                _scatter_rows(cache.hidden[layer], prev_index, h)
+                if prev_index is not None:
+                    _scatter_rows(cache.hidden[layer], prev_index, h)
                 h = cache.hidden[layer].gather(1, index[..., None].expand(-1, -1, spec.d_model))
             if cache.hidden is not None and (layer == 0 or not plan.per_layer):
                 _scatter_rows(cache.hidden[layer], index, h)

@@ -17,12 +17,16 @@ class Plan(NamedTuple):
     same shape, False for unused slots (their writes land in the trash slot and their outputs are ignored).
     ``target_offset``: the slot holding the hidden state that predicts the first position of the current block
     (the engine reads slots ``target_offset + arange(block_length)``; for Dream's shifted logits the plan starts
-    one position before the block): a Python int, or a 0-d long tensor where it moves with the block.
+    one position before the block): a Python int, or a 0-d long tensor where it moves with the block, or a
+    ``[B, R]`` long tensor of per-row slots (a commit region whose columns differ per row, e.g. a sliding window).
+    ``first_layer``: the first layer the plan runs (a Python int; with ``first_layer > 0`` the plan is per layer and
+    layer ``first_layer`` reads its inputs from the cache's stored layer inputs: a recomputation from a layer up).
     """
 
     index: torch.Tensor
     valid: torch.Tensor
     target_offset: int | torch.Tensor = 0
+    first_layer: int = 0
 
     @property
     def per_layer(self) -> bool:

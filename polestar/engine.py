@@ -23,7 +23,7 @@ from .policy import Pipeline
 from .schedule import transfer_counts
 from .state import DecodeState, StepClock, StepDetail, StepPhase, StepPosition, StepRandom, StepRecord
 from .stats import RunStats, SequenceStats
-from .step import Generation, StepRunner, Totals, block_work
+from .step import Generation, StepRunner, Totals
 
 
 @torch.inference_mode()
@@ -58,8 +58,7 @@ def decode(
         compiled_before = runner.compiled_steps
         meter = _RunMeter()
         start_time = time.perf_counter()
-        work = block_work(gen.state.x, gen.totals.finished, gen.state.prompt_len, config.block_length,
-                          model.spec.mask_id).tolist()  # which blocks have work: one host read per generation
+        work = gen.state.schedule.work(gen.state, gen.totals.finished).tolist()  # one host read per generation
         block = _next_block(work, -1)
         global_step = 0
         with runner.running():
@@ -137,7 +136,8 @@ def start_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_mas
     generator = torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(config.seed)
     refresh, commit = pipeline.refresh, pipeline.commit
     cache = model.new_cache(full_mask, store_hidden=refresh.needs_hidden)
-    bl = config.block_length
+    schedule = refresh.region()
+    bl = schedule.width(config)
     gumbel = (torch.zeros((B, bl, spec.vocab_size), dtype=torch.float64, device=device)
               if config.temperature > 0 else None)
     remask = torch.zeros((B, bl), dtype=torch.float64, device=device) if commit.needs_random else None
@@ -146,7 +146,7 @@ def start_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_mas
         eos_id=spec.eos_id, prompt_len=P, logit_shift=spec.logit_shift, n_layers=spec.n_layers, generator=generator,
         clock=StepClock.at(P, device), n_heads=spec.n_heads, vocab_size=spec.vocab_size,
         num_transfer=torch.zeros((B, config.steps_per_block), dtype=torch.long, device=device),
-        random=StepRandom(gumbel, remask),
+        random=StepRandom(gumbel, remask), schedule=schedule,
     )
     stops = torch.tensor(stop_ids or (spec.eos_id,), dtype=torch.long, device=device)
     gen = Generation(model, pipeline, config, state, cache, refresh.init_state(state), commit.init_state(state),
@@ -175,6 +175,7 @@ def reset_generation(gen: Generation, prompt_ids: torch.Tensor, attention_mask: 
     state.clock.block_start.fill_(P)
     state.clock.step.zero_()
     state.clock.global_step.zero_()
+    state.horizon.fill_(state.length)
     state.generator.manual_seed(config.seed)
     state.detail = None
     cache.reset(_full_mask(attention_mask, config.gen_length))
@@ -191,6 +192,7 @@ def begin_block(gen: Generation, block: int, global_step: int = 0) -> None:
     position = _position(gen, block, 0, global_step)
     state.clock.block_start.fill_(position.block_start)
     state.clock.step.zero_()
+    state.schedule.begin_block(state)
     state.active.copy_(~gen.totals.finished)
     state.num_transfer.copy_(transfer_counts(state.block_masked(), config.steps_per_block))
     state.active.copy_(~gen.totals.finished & state.block_masked_any())
@@ -201,7 +203,7 @@ def begin_block(gen: Generation, block: int, global_step: int = 0) -> None:
 
 
 def _position(gen: Generation, block: int, step: int, global_step: int, flags: tuple[bool, ...] = ()) -> StepPosition:
-    bl, P = gen.config.block_length, gen.state.prompt_len
+    bl, P = gen.state.schedule.span(gen.config), gen.state.prompt_len
     return StepPosition(block, P + block * bl, P + (block + 1) * bl, step, global_step, flags)
 
 
@@ -215,7 +217,7 @@ def step_phase(gen: Generation, position: StepPosition) -> StepPhase:
 def _run_block(gen: Generation, runner: StepRunner, block: int, global_step: int, meter: _RunMeter,
                on_step: Callable[[StepRecord], None] | None) -> tuple[list[bool], int]:
     """Step block ``block`` until its work flag clears → the last "work left" flags and the next global step."""
-    num_blocks = gen.config.num_blocks
+    num_blocks = gen.config.gen_length // gen.state.schedule.span(gen.config)
     step = 0
     flags: tuple[bool, ...] = ()
     while True:
@@ -271,7 +273,8 @@ def _record(gen: Generation, out, position: StepPosition, before: torch.Tensor) 
     view, detail = _copies(out.view), _copies(state.detail)
     return StepRecord(position.global_step, position.block_index, position.step, position.block_start,
                       position.block_end, view.plan, view.stepped, view.masked, view.confidence, before, after,
-                      (before == mask_id) & (after != mask_id), view.origins, out.cost, detail)
+                      (before == mask_id) & (after != mask_id), view.origins, out.cost, detail, view.region,
+                      view.held)
 
 
 def _copies(obj):

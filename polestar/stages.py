@@ -32,9 +32,11 @@ from typing import Any, NamedTuple
 import torch
 
 from polestar.models.backbone import AttentionProbe
+from polestar.models.cost import StepCost
 from polestar.models.hooks import LayerHook as LayerHookProtocol
 from polestar.models.plan import DecodeCache, Plan
 
+from .region import BlockRegion
 from .state import CommitSelection, DecodeState, Prediction, StepPosition, SuffixCommit, UpdatePacket
 
 
@@ -97,6 +99,24 @@ class RefreshSelector(Stage):
     """
 
     needs_hidden: bool = False
+
+    def region(self):
+        """The commit-region schedule this selector plans for (:mod:`polestar.region`): default the current block
+        (:class:`~polestar.region.BlockRegion`); a selector may return a sliding window
+        (:class:`~polestar.region.WindowRegion`), whose columns move every step and differ per row."""
+        return BlockRegion()
+
+    def look_ahead(self, state: DecodeState, cache: DecodeCache, model, local: Any) -> StepCost | None:
+        """After the step's commits, in the step: work for the next step's decisions that needs the model (whose
+        results reach :meth:`next_step_flags` through ``local``); returns what it computed as a
+        :class:`~polestar.models.cost.StepCost` (added to the step's), or None. Default: nothing."""
+        return None
+
+    def held(self, state: DecodeState, local: Any) -> torch.Tensor | None:
+        """``[B]`` bool, after the forward: rows whose forward is not complete at this step (it continues in the
+        next one, e.g. a recomputation the selector decided during this forward): they commit nothing and their
+        forward is not counted here. Default: None (every forward completes in its step)."""
+        return None
 
     def plan(self, state: DecodeState, cache: DecodeCache, local: Any) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError

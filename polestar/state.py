@@ -12,6 +12,7 @@ from polestar.models.cost import StepCost
 from polestar.models.plan import Plan
 
 from .config import GenerationConfig
+from .region import BlockRegion
 
 
 class Prediction(NamedTuple):
@@ -147,7 +148,10 @@ class StepRecord(NamedTuple):
     ``tokens_before``/``tokens_after``: ``[B, T]`` (``tokens_after`` includes the EOS fill of finished rows);
     ``committed``: ``[B, T]`` bool, positions that held the mask token before and not after;
     ``origins``: :class:`CommitOrigins`; ``cost``: the step's :class:`~polestar.models.cost.StepCost` (plain ints,
-    whole batch); ``detail``: the step's :class:`StepDetail` (what the stages gathered for observers).
+    whole batch); ``detail``: the step's :class:`StepDetail` (what the stages gathered for observers); ``region``:
+    ``[B, R]`` long, the columns of the step's commit region (entry ``j`` of ``masked``, ``confidence`` and
+    ``origins``: ``block_start + j`` in a block, a sliding window's own columns otherwise); ``held``: ``[B]`` bool,
+    rows the step computed without completing their forward (it continues at the next step; not in ``active``).
     """
 
     step: int
@@ -165,6 +169,8 @@ class StepRecord(NamedTuple):
     origins: CommitOrigins
     cost: StepCost | None = None
     detail: StepDetail | None = None
+    region: torch.Tensor | None = None
+    held: torch.Tensor | None = None
 
 
 class ClusterDrift(NamedTuple):
@@ -255,8 +261,11 @@ class DecodeState:
     ``x``: ``[B, T]`` tokens (prompt right-aligned, mask tokens in the generation region); ``active``: ``[B]`` bool,
     rows that still decode in the current block (finished rows are frozen, never dropped); ``clock``: the block's
     first column and the step counters as device scalars (:class:`StepClock`); ``block_arange``: ``[bl]``
-    ``arange(block_length)``; ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts for the
-    current block; ``last_commits``: ``[B]`` long, tokens committed per row by the previous step (engine → refresh
+    ``arange(R)``; ``region``: ``[B, R]`` long, the columns the current step may commit, and ``region_valid``
+    ``[B, R]`` bool its real entries (written in place by ``schedule``, a :mod:`polestar.region` schedule: the
+    current block, or a sliding window of masked positions); ``horizon``: ``[B]`` long, the last column a sliding
+    window may reach (``T``: unbounded); ``num_transfer``: ``[B, steps_per_block]`` LLaDA's per-step token counts for
+    the current region; ``last_commits``: ``[B]`` long, tokens committed per row by the previous step (engine → refresh
     selectors); ``random``: this step's :class:`StepRandom`, drawn into its buffers before the step.
     Host-side: ``phase``, this step's :class:`StepPhase` (set by the loop before the step); ``detail``: this step's
     :class:`StepDetail` while an observer records, else None.
@@ -280,10 +289,20 @@ class DecodeState:
     phase: StepPhase = StepPhase()
     detail: StepDetail | None = None
     block_arange: torch.Tensor = attrs.field(default=None)
+    schedule: object = attrs.field(factory=BlockRegion)
+    region: torch.Tensor = attrs.field(default=None)
+    region_valid: torch.Tensor = attrs.field(default=None)
+    horizon: torch.Tensor = attrs.field(default=None)
 
     def __attrs_post_init__(self):
         if self.block_arange is None:
-            self.block_arange = torch.arange(self.config.block_length, device=self.x.device)
+            self.block_arange = torch.arange(self.schedule.width(self.config), device=self.x.device)
+        if self.region is None:
+            R = self.block_arange.shape[0]
+            self.region = (self.prompt_len + self.block_arange)[None, :].repeat(self.batch_size, 1)
+            self.region_valid = torch.ones(self.batch_size, R, dtype=torch.bool, device=self.x.device)
+        if self.horizon is None:
+            self.horizon = torch.full((self.batch_size,), self.length, dtype=torch.long, device=self.x.device)
         if self.last_commits is None:
             self.last_commits = torch.zeros(self.batch_size, dtype=torch.long, device=self.x.device)
 
@@ -300,16 +319,17 @@ class DecodeState:
         return self.config.block_length
 
     def block_columns(self) -> torch.Tensor:
-        """``[bl]`` long: the current block's columns (``clock.block_start + arange``)."""
-        return self.clock.block_start + self.block_arange
+        """``[B, R]`` long: the current region's columns (the block's, ``clock.block_start + arange``, in every row
+        under :class:`~polestar.region.BlockRegion`)."""
+        return self.region
 
     def _block_is_mask(self) -> torch.Tensor:
-        return self.x.index_select(1, self.block_columns()) == self.mask_id
+        return (self.x.gather(1, self.region) == self.mask_id) & self.region_valid
 
     def block_masked(self) -> torch.Tensor:
-        """``[B, bl]`` bool: mask tokens of the current block in active rows."""
+        """``[B, R]`` bool: mask tokens of the current region in active rows."""
         return self._block_is_mask() & self.active[:, None]
 
     def block_masked_any(self) -> torch.Tensor:
-        """``[B]`` bool: rows with a mask token in the current block (active or not)."""
+        """``[B]`` bool: rows with a mask token in the current region (active or not)."""
         return self._block_is_mask().any(dim=1)

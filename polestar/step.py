@@ -217,13 +217,17 @@ def persistent_tensors(gen: Generation) -> list[torch.Tensor]:
 class StepView(NamedTuple):
     """What an observer sees of one step (returned only while one records; the loop copies it before the next
     step): ``plan``; ``stepped [B]`` rows that decoded; ``masked [B, bl]`` the block's masked positions before the
-    commit; ``confidence [B, bl]`` float64; ``origins``: :class:`CommitOrigins`."""
+    commit; ``confidence [B, bl]`` float64; ``origins``: :class:`CommitOrigins`; ``region [B, bl]`` the columns of
+    those entries (the block's, or a sliding window's); ``held [B]`` rows whose forward continues at the next step
+    (:meth:`~polestar.stages.RefreshSelector.held`: computed, not committed)."""
 
     plan: Plan
     stepped: torch.Tensor
     masked: torch.Tensor
     confidence: torch.Tensor
     origins: CommitOrigins
+    region: torch.Tensor | None = None
+    held: torch.Tensor | None = None
 
 
 class StepOutput(NamedTuple):
@@ -238,12 +242,13 @@ class StepOutput(NamedTuple):
     view: StepView | None = None
 
 
-def block_work(x: torch.Tensor, finished: torch.Tensor, prompt_len: int, block_length: int, mask_id: int) -> torch.Tensor:
-    """``[num_blocks]`` bool: blocks where an unfinished row of ``x [B, T]`` still has a masked position."""
-    gen = x[:, prompt_len:]
-    B = gen.shape[0]
-    masked = (gen == mask_id).view(B, -1, block_length).any(dim=2)
-    return (masked & ~finished[:, None]).any(dim=0)
+def region_targets(plan: Plan, state: DecodeState) -> torch.Tensor:
+    """``[B, R]`` long: the plan slots whose hidden states predict the region's columns: ``plan.target_offset``
+    itself when it is ``[B, R]`` (per-row slots, e.g. a sliding window), else ``target_offset + arange(R)``."""
+    offset = plan.target_offset
+    if isinstance(offset, torch.Tensor) and offset.dim() == 2:
+        return offset
+    return (offset + state.block_arange)[None, :].expand(state.batch_size, -1)
 
 
 def decode_step(gen: Generation) -> StepOutput:
@@ -253,16 +258,18 @@ def decode_step(gen: Generation) -> StepOutput:
     state, cache, model, totals = gen.state, gen.cache, gen.model, gen.totals
     refresh, commit = gen.pipeline.refresh, gen.pipeline.commit
     spec, config, clock = model.spec, gen.config, state.clock
-    B = state.batch_size
     plan = refresh.plan(state, cache, gen.refresh_local)
     hook = refresh.hook(state, plan, cache, model, gen.refresh_local)
     if hook is not None and state.detail is not None:  # an observer records: the hook gathers its members too
         hook.detail = state.detail
     probe = commit.probe(state, plan) or refresh.probe(state, plan)
-    target = (plan.target_offset + state.block_arange)[None, :].expand(B, -1)
+    target = region_targets(plan, state)
     with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
         logits, probs, packet_logits, cost = block_forward(model, state.x, cache, plan, target, probe, hook)
         refresh.observe(state, plan, probs, cache, gen.refresh_local)
+    held = refresh.held(state, gen.refresh_local)
+    if held is not None:  # rows whose forward continues in the next step (decided in this one) commit nothing here
+        state.active.logical_and_(~held)
     packet = None
     if packet_logits is not None:
         packet = UpdatePacket(hook.head_positions, hook.head_valid, packet_logits)
@@ -282,8 +289,10 @@ def decode_step(gen: Generation) -> StepOutput:
     rule_transfer, transfer = transfer, transfer | forced
     state.last_commits.copy_(transfer.sum(dim=1))
     cols = state.block_columns()
-    block_x = state.x.index_select(1, cols)
-    state.x.index_copy_(1, cols, torch.where(transfer, pred.tokens, block_x))
+    seen_cols = cols.clone() if state.detail is not None else None  # the region moves in place below
+    block_x = state.x.gather(1, cols)
+    state.x.scatter_(1, cols, torch.where(transfer, pred.tokens, block_x))
+    state.schedule.advance(state, transfer, pred.tokens, gen.stops if config.stop_at_eos else None)
     extra = commit.suffix(state, gen.commit_local, packet)
     if extra is not None:
         keep = state.x.gather(1, extra.positions)
@@ -300,7 +309,10 @@ def decode_step(gen: Generation) -> StepOutput:
         gen_x.copy_(gen_x.masked_fill(fill, spec.eos_id))
         totals.finished.logical_or_(done)
     state.active.copy_(~totals.finished & state.block_masked_any())
-    work = block_work(state.x, totals.finished, P, config.block_length, spec.mask_id)
+    work = state.schedule.work(state, totals.finished)
+    ahead = refresh.look_ahead(state, cache, model, gen.refresh_local)
+    if ahead is not None:  # the selector's work for the next step's decisions, after the commits
+        cost = StepCost(*(a + b for a, b in zip(cost, ahead)))
     flags = refresh.next_step_flags(state, gen.refresh_local)
     if flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
         work = torch.cat([work, flags])
@@ -309,7 +321,8 @@ def decode_step(gen: Generation) -> StepOutput:
     view = None
     if state.detail is not None:
         view = StepView(plan, stepped, masked, pred.confidence,
-                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra))
+                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra), seen_cols,
+                        torch.zeros_like(stepped) if held is None else held)
     return StepOutput(work, cost, view)
 
 

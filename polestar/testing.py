@@ -231,17 +231,21 @@ def check_step(record, mask_id: int, eos_id: int) -> None:
     fixed = before != mask_id
     assert (after[fixed] == before[fixed]).all(), "a committed token changed"
     assert (after[~active] == before[~active]).all(), "a frozen row changed"
-    in_block = record.committed[:, record.block_start : record.block_end]
+    region = record.region  # the step's commit region: its block, or a sliding window's columns
+    if region is None:
+        region = torch.arange(record.block_start, record.block_end)[None, :].expand(before.shape[0], -1)
+    in_block = record.committed.gather(1, region)
     assert in_block[active].any(dim=1).all(), "an active row committed nothing in its block"
     origin = record.origins.block
     assert (in_block | ~origin).all(), "an origin names a position that was not committed"
-    assert (after[:, record.block_start : record.block_end][in_block & ~origin] == eos_id).all(), (
+    assert (after.gather(1, region)[in_block & ~origin] == eos_id).all(), (
         "a commit without an origin that is not the EOS fill")
     plan = record.plan
     valid = plan.valid.reshape(-1, *plan.valid.shape[-2:])
     index = plan.index.reshape(-1, *plan.index.shape[-2:])
     assert ((index[valid] >= 0) & (index[valid] < T)).all(), "the plan names a position outside the sequence"
-    assert not valid[:, ~active].any(), "the plan recomputes a frozen row"
+    running = active if record.held is None else active | record.held  # held rows compute, commit at the next step
+    assert not valid[:, ~running].any(), "the plan recomputes a frozen row"
 
 
 def check_decode_invariants(model, policy: str, prompts, swap: dict[str, Any] | None = None, gen_length: int = 16,

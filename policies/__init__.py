@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registration side effects)
     quant,
     refresh_adaptive,
     refresh_basic,
+    refresh_elastic,
     refresh_polestar,
 )
 
@@ -28,7 +29,8 @@ _POLICIES = [
     ("polestar-cache", "polestar", "threshold", _DRIFT_STAGES,
      "Polestar-Cache: dual cache + drift-aware sparse updates of the local window, threshold commit"),
     ("elastic-cache", "elastic", "threshold", {},
-     "Elastic-Cache: dual cache, recompute from the layer where tracked attention drifts past gamma"),
+     "Elastic-Cache: sliding-window commits with far-mask caching; the tracked tokens, previous commits and window "
+     "are recomputed, every position from the layer above the one where tracked attention drifts past gamma"),
     ("dllm-cache", "dllm-cache", "threshold", {},
      "dLLM-Cache: interval prompt/response refresh + value-change-driven partial updates"),
     ("polestar", "polestar", "polestar", _DRIFT_STAGES,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from polestar.models.plan import DecodeCache, Plan, full_plan, span_plan
+from polestar.region import BlockRegion, WindowRegion
 from polestar.registry import register
 from polestar.stages import RefreshSelector
 from polestar.state import DecodeState, StepPosition
@@ -37,14 +38,25 @@ def block_plan(state: DecodeState) -> Plan:
 
 @register("refresh", "full")
 class FullRefresh(RefreshSelector):
-    """No cache (LLaDA baseline): every layer recomputes all ``T`` positions at every step. Plan ``[B, T]``."""
+    """No cache (LLaDA baseline): every layer recomputes all ``T`` positions at every step. Plan ``[B, T]``.
+    ``window_length``: commit from a sliding window of each row's first ``window_length`` masked positions
+    (:class:`~polestar.region.WindowRegion`) instead of blocks."""
 
     @attrs.frozen
     class Config:
-        pass
+        window_length: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+            [attrs.validators.instance_of(int), attrs.validators.ge(1)]))
+
+    def region(self):
+        if self.config.window_length is None:
+            return BlockRegion()
+        return WindowRegion(self.config.window_length)
 
     def plan(self, state: DecodeState, cache: DecodeCache, local=None) -> Plan:
-        return block_start_plan(state)
+        plan = block_start_plan(state)
+        if self.config.window_length is None:
+            return plan
+        return Plan(plan.index, plan.valid, state.region - state.logit_shift)  # slot == position
 
 
 @register("refresh", "prefix")

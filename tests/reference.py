@@ -171,7 +171,8 @@ def fastdllm_generate(model, prompt, gen_length, block_length, threshold, cache=
 # forwards), ``probe_rows`` the method's query-only rows (dLLM-Cache: rows whose value projection was computed only to
 # pick the ``ratio`` rows; Elastic-Cache: tracked tokens whose old attention was re-scored for the trigger, one per
 # tracked token and checked layer), ``rows_per_token`` = rows / gen_length and ``triggers`` (Elastic-Cache: forwards
-# in which a layer before the last fired, so that the later layers recomputed every row).
+# in which a layer before the last fired, so that the later layers recomputed every row) and ``similarity``
+# (Elastic-Cache: ``(forward, layer, sim)`` for every checked layer, the tracked tokens' mean attention cosine).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -427,7 +428,7 @@ def _elastic_row(model, ids, gen_length, window_length, threshold, tokens_per_it
     new = every[:P]
     masked = every[P:]
     cache = [{} for _ in range(L)]
-    st = {"nfe": 0, "rows": 0, "probe_rows": 0, "triggers": 0}
+    st = {"nfe": 0, "rows": 0, "probe_rows": 0, "triggers": 0, "similarity": []}
     decoded_eos = False
     i = 0
     while True:
@@ -483,6 +484,7 @@ def _elastic_row(model, ids, gen_length, window_length, threshold, tokens_per_it
                 old = torch.softmax(past_q @ past_k.transpose(-2, -1) * (1 / math.sqrt(hd)), dim=-1)
                 sim = F.cosine_similarity(old, w[:, :, :track.shape[0]], dim=1).mean()
                 st["probe_rows"] += track.shape[0]
+                st["similarity"].append((i, layer, float(sim.detach())))
                 if sim < gamma:
                     start = layer + 1
                     st["triggers"] += start < L  # a trigger at the last layer changes nothing

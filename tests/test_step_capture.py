@@ -36,7 +36,7 @@ COUNTERS = ("token_layer_evals", "proxy_query_evals", "weight_bytes", "kv_bytes"
 #: graphs per policy on the LLaDA shape at batch 1 (five blocks): one per step phase the policy meets. Pinned so
 #: that a change that splits a phase (a new graph per block or step) shows here.
 GRAPHS_AT_BATCH_1 = {
-    "baseline": 1, "parallel": 1, "fast-dllm-prefix": 6, "fast-dllm": 2, "elastic-cache": 2, "dllm-cache": 3,
+    "baseline": 1, "parallel": 1, "fast-dllm-prefix": 6, "fast-dllm": 2, "elastic-cache": 4, "dllm-cache": 3,
     "polestar-cache": 6, "polestar-commit": 2, "polestar": 6, "eb": 2, "klass": 2,
 }
 
@@ -69,31 +69,33 @@ def _one_policy_per_stage() -> list[str]:
 _MODELS: dict = {}
 
 
-def _model(family: str):
-    if family not in _MODELS:  # two LLaDA layers cover the packet handed from one layer to the next; one Dream
+def _model(family: str, n_layers: int | None = None):
+    key = (family, n_layers)
+    if key not in _MODELS:  # two LLaDA layers cover the packet handed from one layer to the next; one Dream
         # layer covers the shifted logits and grouped K/V at half the tracing time
-        _MODELS[family] = make_model(family, seed=11, n_layers=2 if family == "llada" else 1, d_model=32)
-    return _MODELS[family]
+        layers = n_layers if n_layers is not None else 2 if family == "llada" else 1
+        _MODELS[key] = make_model(family, seed=11, n_layers=layers, d_model=32)
+    return _MODELS[key]
 
 
-def _decode(model, policy: str, batch: int, compile, overrides=None, on_step=None):
+def _decode(model, policy: str, batch: int, compile, overrides=None, on_step=None, prompts=None, config=None):
     pipeline = assemble(policy, {"threshold?": 0.3, **(overrides or {})})
-    ids, mask = polestar.api.encode_prompts(model, PROMPTS[batch])
+    ids, mask = polestar.api.encode_prompts(model, prompts or PROMPTS[batch])
     runner = PhaseRunner(compile, ids.device, pipeline, static_addresses=True)
     with count_host_reads() as reads:
-        tokens, stats = decode(model, ids, mask, pipeline, CONFIGS[batch], runner=runner, on_step=on_step)
+        tokens, stats = decode(model, ids, mask, pipeline, config or CONFIGS[batch], runner=runner, on_step=on_step)
     return tokens, stats, runner, reads
 
 
-def _check_against_eager(model, policy: str, batch: int, overrides=None) -> tuple[GraphProbe, PhaseRunner]:
-    eager_tokens, eager_stats, eager_runner, eager_reads = _decode(model, policy, batch, False, overrides)
+def _check_against_eager(model, policy: str, batch: int, overrides=None, **shape) -> tuple[GraphProbe, PhaseRunner]:
+    eager_tokens, eager_stats, eager_runner, eager_reads = _decode(model, policy, batch, False, overrides, **shape)
     # one read per step (which blocks have work left), one before the first step, one for the final counters
     assert len(eager_reads) == eager_stats.nfe + 2, eager_reads
     assert eager_runner.eager_steps == eager_stats.nfe and eager_runner.compiled_steps == 0
     probe = GraphProbe(poison=True)
-    _decode(model, policy, batch, probe, overrides)  # compiles every step phase met (tracing reads the host)
+    _decode(model, policy, batch, probe, overrides, **shape)  # compiles every step phase met (tracing reads the host)
     graphs = len(probe.graphs)
-    tokens, stats, runner, reads = _decode(model, policy, batch, probe, overrides)  # reuses graphs and buffers
+    tokens, stats, runner, reads = _decode(model, policy, batch, probe, overrides, **shape)  # reuses graphs, buffers
     assert len(probe.graphs) == graphs  # a second generation of the same shape compiles nothing
     assert runner.eager_steps == 0 and runner.compiled_steps == stats.nfe == probe.calls // 2 > 0
     assert stats.compiled_steps == stats.nfe and eager_stats.compiled_steps == 0
@@ -119,6 +121,23 @@ def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, bat
     probe, runner = _check_against_eager(_model(family), policy, batch, overrides)
     if family == "llada" and batch == 1 and not overrides and policy in GRAPHS_AT_BATCH_1:
         assert len(probe.graphs) == GRAPHS_AT_BATCH_1[policy], sorted(map(str, runner.phases))
+
+
+def test_elastic_cache_recomputation_steps_are_replayable_graphs():
+    """Elastic-Cache recomputes a forward whose tracked attention drifted from the layer above the trigger: at
+    layer 0 decided at the end of the previous step (a step that recomputes from layer 1), above it in the next
+    step (one graph per layer). On the four layers of the shipped noisy checkpoint the steps that do it are captured
+    like the others and decode as eagerly (short prompts fire at layer 0, three arith prompts at layer 1)."""
+    model = polestar.load("tiny-llada-noisy", dtype=torch.float32)
+    kinds = set()
+    _, runner = _check_against_eager(model, "elastic-cache", 1, {"gamma": 0.9})
+    kinds |= {p.refresh[0] for p in runner.phases}
+    arith = ["arith:7-7-7-5*5*0=", "arith:4+6=", "arith:3+4*2-5="]
+    config = GenerationConfig(gen_length=32, block_length=8, stop_at_eos=True)
+    _, runner = _check_against_eager(model, "elastic-cache", 3, {"gamma": 0.9, "threshold": 0.9, "window_length": 8},
+                                     prompts=arith, config=config)
+    kinds |= {p.refresh[0] for p in runner.phases}
+    assert kinds == {"first", "cached", "fire0", "rerun"}, kinds
 
 
 def test_every_registered_policy_has_a_pinned_graph_count():

@@ -71,7 +71,8 @@ def test_figures_agree_with_the_records(small_model, name):
         o = r.origins
         mine = {p: c for p, c in cells.items() if c.step == r.step}
         suffix = set() if o.suffix is None else {int(p) for p, ok in zip(o.suffix.positions[0], o.suffix.commit[0]) if ok}
-        block = {r.block_start + j for j in range(o.rule.shape[1]) if o.block[0, j]}
+        cols = r.region[0].tolist()
+        block = {cols[j] for j in range(o.rule.shape[1]) if o.block[0, j]}
         assert {p for p, c in mine.items() if c.origin == "suffix"} == suffix
         assert {p for p, c in mine.items() if c.origin in ("early", "forced", "confident", "rule")} == block
         assert {p for p, c in mine.items() if c.origin == "eos"} == set(mine) - suffix - block
@@ -79,19 +80,19 @@ def test_figures_agree_with_the_records(small_model, name):
         top = float(r.confidence[0].max()) if r.masked[0].any() else None
         for p, c in mine.items():
             if p in block:  # confidence at commit is the step's confidence of that block column
-                assert c.confidence == pytest.approx(float(r.confidence[0, p - r.block_start]))
+                assert c.confidence == pytest.approx(float(r.confidence[0, cols.index(p)]))
             if c.origin == "confident":
                 assert tau is not None and c.confidence >= tau
             if c.origin == "forced":  # the row's most confident masked position, below τ unless the engine forced it
                 assert c.confidence == pytest.approx(top)
-                assert o.forced[0, p - r.block_start] or c.confidence < tau
+                assert o.forced[0, cols.index(p)] or c.confidence < tau
             if c.origin == "early":
-                assert o.early is not None and o.early[0, p - r.block_start]
+                assert o.early is not None and o.early[0, cols.index(p)]
             if c.origin == "rule":
                 assert tau is None or c.confidence < tau
         assert sum(c.origin == "forced" for c in mine.values()) <= 1
     # positions still masked in the block at a step that did not commit them
-    waiting = {(int(r.block_start + j), r.step) for r in records for j in range(r.masked.shape[1])
+    waiting = {(int(r.region[0, j]), r.step) for r in records for j in range(r.masked.shape[1])
                if r.masked[0, j] and not r.origins.block[0, j]}
     assert set(fig.commit.waiting) == waiting
 
@@ -133,10 +134,17 @@ def test_recomputed_positions_agree_with_the_records_and_the_counters(small_mode
                 assert set(grid.refreshed[layer][r.step]) <= chosen
         if not wants_packet:  # the last layer's members would feed nothing: none is recomputed
             assert not any(grid.refreshed[n_layers - 1])
-    if fig.trigger is not None:  # Elastic-Cache recomputes from its trigger layer upward, nothing below it
+    if fig.trigger is not None:  # Elastic-Cache recomputes in its plan, from two layers above its trigger every
+        # position, in the step that triggered (layer 0) or the next one; a trigger at the last two layers changes
+        # no logit and recomputes nothing
+        assert not any(any(layer) for layer in grid.refreshed)
+        T = records[0].tokens_before.shape[1]
         for step, trigger in zip(fig.trigger.steps, fig.trigger.trigger):
-            for layer in range(n_layers):
-                assert bool(grid.refreshed[layer][step]) == (trigger is not None and layer >= trigger)
+            if trigger is None or trigger > n_layers - 3:
+                continue
+            done = records[step] if trigger == 0 else records[step + 1]
+            for layer in range(trigger + 2, n_layers):
+                assert len(grid.computed[layer][done.step]) == T
 
 
 @pytest.mark.parametrize("name", policy_names())

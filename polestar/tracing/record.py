@@ -83,10 +83,18 @@ def _positions(index: torch.Tensor, valid: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(set(index[valid].tolist())))
 
 
+def region_columns(record: StepRecord, row: int = 0) -> list[int]:
+    """The columns of ``record``'s commit region in ``row`` (entry ``j`` of its ``masked``, ``confidence`` and
+    origins): the block's, or a sliding window's."""
+    if record.region is None:
+        return list(range(record.block_start, record.block_start + record.masked.shape[1]))
+    return record.region[row].tolist()
+
+
 def commit_origins(record: StepRecord, threshold: float | None, row: int = 0) -> dict[int, tuple[str, float | None]]:
     """Column → ``(origin, confidence at commit)`` of every position ``record`` committed in ``row`` (see the module
     docstring; ``threshold``: the commit rule's τ, None for a rule without one)."""
-    o, start = record.origins, record.block_start
+    o, cols = record.origins, region_columns(record, row)
     conf = record.confidence[row]
     masked = record.masked[row]
     top1 = int(conf.masked_fill(~masked, float("-inf")).argmax()) if bool(masked.any()) else -1
@@ -109,7 +117,7 @@ def commit_origins(record: StepRecord, threshold: float | None, row: int = 0) ->
             origin = "confident"
         else:
             origin = "rule"
-        out[start + j] = (origin, float(c))
+        out[cols[j]] = (origin, float(c))
     for pos in record.committed[row].nonzero().flatten().tolist():
         out.setdefault(pos, ("eos", None))
     return out
@@ -147,7 +155,8 @@ def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: 
                     for layer, c in sorted(detail.clusters.items())}
         similarity = {layer: float(s[row]) for layer, s in sorted(detail.similarity.items())}
         triggered = {layer: bool(t[row]) for layer, t in sorted(detail.triggered.items())}
-    masked = tuple(record.block_start + j for j in record.masked[row].nonzero().flatten().tolist())
+    cols = region_columns(record, row)
+    masked = tuple(cols[j] for j in record.masked[row].nonzero().flatten().tolist())
     cost = record.cost
     return StepTrace(record.step, record.block_index, record.block_step, record.block_start, record.block_end,
                      bool(record.active[row]), masked, commits, computed, refreshed, clusters, similarity, triggered,
