@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registration side effects)
     quant,
     refresh_adaptive,
     refresh_basic,
+    refresh_dllm,
     refresh_polestar,
 )
 
@@ -29,8 +30,9 @@ _POLICIES = [
      "Polestar-Cache: dual cache + drift-aware sparse updates of the local window, threshold commit"),
     ("elastic-cache", "elastic", "threshold", {},
      "Elastic-Cache: dual cache, recompute from the layer where tracked attention drifts past gamma"),
-    ("dllm-cache", "dllm-cache", "threshold", {},
-     "dLLM-Cache: interval prompt/response refresh + value-change-driven partial updates"),
+    ("dllm-cache", "dllm-cache", "topk", {},
+     "dLLM-Cache: per-layer attention/MLP feature cache, interval prompt/response refresh, the ratio of response "
+     "rows whose values moved most recomputed in between; LLaDA's fixed steps per block, low-confidence remasking"),
     ("polestar", "polestar", "polestar", _DRIFT_STAGES,
      "Polestar: drift-aware sparse cache updates + drift-delta early commit + suffix-block commit"),
     ("polestar-commit", "dual", "polestar", {},
