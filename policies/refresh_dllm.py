@@ -102,7 +102,7 @@ class _FeatureHook(LayerHook):
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=device)
 
     def features(self, layer: int, h: torch.Tensor, meter) -> CachedFeatures:
-        P, T, B = self.state.prompt_len, self.state.length, self.state.batch_size
+        P, B = self.state.prompt_len, self.state.batch_size
         if layer == 0 or (self.response and self.prompt):
             rows = self.arange
         elif self.response:
@@ -119,7 +119,7 @@ class _FeatureHook(LayerHook):
         """The ``n_pick`` response rows ``[B, n_pick]`` (offsets from ``P``, least similar first) whose values,
         projected from their current inputs ``h[:, P:]``, are least cosine-similar to the layer's cached values;
         then every response row's cached value is replaced by its fresh one."""
-        P, T, B = self.state.prompt_len, self.state.length, self.state.batch_size
+        P, T = self.state.prompt_len, self.state.length
         fresh = self.model.project_values(layer, h[:, P:], meter)  # [B, Hkv, G, hd]
         cached = self.cache.v[layer][:, :, P:T]
         sim = F.cosine_similarity(_heads_last(fresh), _heads_last(cached), dim=-1)  # [B, G]
