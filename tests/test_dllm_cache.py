@@ -81,6 +81,23 @@ def test_mixed_length_batch_rows_equal_the_reference_alone(checkpoints, setting)
         assert stats.sequences[b].token_layer_evals == ref[b]["rows"]
 
 
+@pytest.mark.parametrize("name", ["tiny-dream", "tiny-dream-noisy"])
+def test_dream_equals_the_reference_hook_inside_llada_loop(name):
+    """On Dream (shifted logits, grouped K/V, q/k/v biases) the policy runs LLaDA's blocked loop; the reference's
+    Dream forward (whole key rows written for the picked rows) inside the same loop gives the same tokens and rows."""
+    model = polestar.load(name, dtype=torch.float32)
+    setting = (5, 3, 0.25)
+    for text in PROMPTS[:2]:
+        ids, mask = encode_prompts(model, [text])
+        tokens, stats = decode(model, ids, mask, _policy(*setting), CONFIG)
+        with torch.no_grad():
+            want, ref = dllm_cache_generate(model, ids, gen_length=GEN, steps=GEN, block_length=BLOCK,
+                                            prompt_interval=5, gen_interval=3, ratio=0.25, dream_k_cols=None,
+                                            loop="llada")
+        assert tokens.tolist() == want.tolist(), text
+        assert stats.token_layer_evals == ref[0]["rows"]
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_refreshing_every_row_every_forward_is_no_cache_decoding(family):
     """Prompt and response refreshed at every forward: every layer recomputes every row, as the baseline does."""
