@@ -58,7 +58,7 @@ class TopKCommit(CommitRule):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         scores = _REMASKING[self.config.remasking](pred, state)
         if self.config.mask_in_softmax:
-            logits = pred.logits.to(torch.promote_types(pred.logits.dtype, torch.float32))
+            logits = pred.logits.to(torch.float64)
             scores = torch.softmax(logits, dim=-1).gather(-1, pred.tokens[..., None]).squeeze(-1)
         scores = scores.masked_fill(~masked, float("-inf"))
         steps = state.num_transfer.shape[1]

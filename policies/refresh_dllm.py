@@ -54,13 +54,18 @@ class DLLMCacheRefresh(RefreshSelector):
     ``prompt_interval`` forwards, response refresh every ``response_interval``, and in between the ``ratio`` of the
     response rows whose freshly projected values moved most. The plan is every position (the residual stream);
     each layer's recomputed rows are given to the backbone as :class:`~polestar.models.backbone.CachedFeatures`.
-    Phase: ``(response refresh, prompt refresh)`` of layers ``≥ 1`` at this forward (at most four graphs)."""
+    Phase: ``(response refresh, prompt refresh)`` of layers ``≥ 1`` at this forward (at most four graphs).
+
+    ``similarity_grid``: 0 ranks the value cosines exactly as the released code does (``topk``); ``g > 0`` compares
+    them rounded to multiples of ``g``, ties to the earlier position, so that cosines within rounding noise of each
+    other (which a padded batch moves by a few ulps) pick the same rows alone and in a batch."""
 
     @attrs.frozen
     class Config:
         prompt_interval: int = attrs.field(default=50, validator=[v.instance_of(int), v.ge(1)])
         response_interval: int = attrs.field(default=7, validator=[v.instance_of(int), v.ge(1)])
         ratio: float = attrs.field(default=0.25, converter=float, validator=[v.ge(0.0), v.le(1.0)])
+        similarity_grid: float = attrs.field(default=0.0, converter=float, validator=[v.ge(0.0), v.le(1.0)])
 
     def init_state(self, state: DecodeState) -> FeatureState:
         return FeatureState()
@@ -123,7 +128,11 @@ class _FeatureHook(LayerHook):
         fresh = self.model.project_values(layer, h[:, P:], meter)  # [B, Hkv, G, hd]
         cached = self.cache.v[layer][:, :, P:T]
         sim = F.cosine_similarity(_heads_last(fresh), _heads_last(cached), dim=-1)  # [B, G]
-        pick = sim.topk(self.n_pick, dim=1, largest=False).indices
+        grid = self.config.similarity_grid
+        if grid > 0:  # on the grid, ties to the earlier position
+            pick = torch.round(sim.double() / grid).argsort(dim=1, stable=True)[:, : self.n_pick]
+        else:  # the released code's ranking, tie order included
+            pick = sim.topk(self.n_pick, dim=1, largest=False).indices
         cached.copy_(fresh)
         if self.state.detail is not None:  # an observer records: the picked positions
             self.state.detail.refreshed[layer] = (P + pick, torch.ones_like(pick, dtype=torch.bool))
