@@ -38,9 +38,9 @@ class TopKCommit(CommitRule):
     ``[B, bl]``.
 
     ``mask_in_softmax``: rank by the proposed token's probability under the softmax of the raw logits over the
-    whole vocabulary, mask token included, in the logits' precision (at least fp32), as dLLM-Cache's released loop
-    does (Liu et al. 2025), instead of the library's confidence with the mask token excluded; the committed tokens
-    are the same proposals either way."""
+    whole vocabulary, mask token included (in fp64; dLLM-Cache's released loop, Liu et al. 2025, ranks so in fp32),
+    instead of the library's confidence with the mask token excluded; the committed tokens are the same proposals
+    either way."""
 
     @attrs.frozen
     class Config:
