@@ -38,9 +38,9 @@ class TopKCommit(CommitRule):
     ``[B, bl]``.
 
     ``mask_in_softmax``: rank by the proposed token's probability under the softmax of the raw logits over the
-    whole vocabulary, mask token included (in fp64; dLLM-Cache's released loop, Liu et al. 2025, ranks so in fp32),
-    instead of the library's confidence with the mask token excluded; the committed tokens are the same proposals
-    either way."""
+    whole vocabulary, mask token included, in the logits' precision and at least fp32, as dLLM-Cache's released loop
+    ranks them (Liu et al. 2025), instead of the library's fp64 confidence with the mask token excluded; the committed
+    tokens are the same proposals either way."""
 
     @attrs.frozen
     class Config:
@@ -58,7 +58,7 @@ class TopKCommit(CommitRule):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         scores = _REMASKING[self.config.remasking](pred, state)
         if self.config.mask_in_softmax:
-            logits = pred.logits.to(torch.float64)
+            logits = pred.logits.to(torch.promote_types(pred.logits.dtype, torch.float32))
             scores = torch.softmax(logits, dim=-1).gather(-1, pred.tokens[..., None]).squeeze(-1)
         scores = scores.masked_fill(~masked, float("-inf"))
         steps = state.num_transfer.shape[1]
