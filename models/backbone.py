@@ -80,6 +80,22 @@ class MemberRows(NamedTuple):
     inputs: torch.Tensor
 
 
+class CachedFeatures(NamedTuple):
+    """Feature caching at one layer: only some plan rows go through the layer; the others reuse its cached outputs.
+
+    Source: dLLM-Cache (Liu et al. 2025, "dLLM-Cache: Accelerating Diffusion Large Language Models with Adaptive
+    Caching"), which keeps each layer's attention and MLP outputs per position and recomputes only some rows.
+    ``rows``: ``[B, R]`` long, the plan rows (indices ``0 .. C-1`` into the plan's slots) that go through the layer's
+    q/k/v (their K/V written at their slots), attention, o and MLP; ``attn``, ``mlp``: ``[B, C, d_model]`` the layer's
+    cached attention output (after o) and MLP output of every plan row, rewritten in place at ``rows``. Every plan
+    row's output is ``(h + attn) + mlp``; the MLP of a recomputed row reads ``h + attn`` after that write.
+    """
+
+    rows: torch.Tensor
+    attn: torch.Tensor
+    mlp: torch.Tensor
+
+
 class AttentionProbe(NamedTuple):
     """Ask a forward pass for the attention probabilities of some query rows at one layer.
 
@@ -182,8 +198,10 @@ class DiffusionLM(nn.Module):
 
         ``hook`` (optional, a sparse-update controller, :class:`~polestar.models.hooks.LayerHook`) adds rows to each
         layer's pass: ``extra_rows(layer, h, meter)`` → :class:`ExtraRows` (through q, k, v), ``members(layer, LayerQKV)`` →
-        :class:`MemberRows` (through attention, o and the MLP) and ``after_layer(layer, out)``. ``meter`` (optional)
-        counts what the pass reads and computes.
+        :class:`MemberRows` (through attention, o and the MLP) and ``after_layer(layer, out)``; or, with
+        ``features(layer, h, meter)`` → :class:`CachedFeatures`, restricts the layer's pass to some plan rows and
+        reuses the layer's cached outputs for the others. ``meter`` (optional) counts what the pass reads and
+        computes.
         """
         spec = self.spec
         meter = CostMeter() if meter is None else meter
@@ -252,6 +270,17 @@ class DiffusionLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         return Rotary.apply(q, cos, sin)
 
+    def project_values(self, layer: int, h: torch.Tensor, meter: CostMeter) -> torch.Tensor:
+        """Values ``[B, Hkv, X, hd]`` of inputs ``h [B, X, d]``: a pass over the layer's v weight of its own, its rows
+        counted as probe rows (a hook that compares values before it picks the rows the layer recomputes)."""
+        spec = self.spec
+        parts = self.layer_parts(layer)
+        B, X, _ = h.shape
+        meter.weight(parts.attn_norm.weight)
+        meter.linear(parts.v)
+        meter.rows(probe_rows=B * X)
+        return parts.v(parts.attn_norm(h)).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+
     def layer_step(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook: LayerHook | None,
                    meter: CostMeter):
         """One pass over layer ``layer``'s weights: each projection (q, k, v, o, gate, up, down) is applied once,
@@ -264,8 +293,17 @@ class DiffusionLM(nn.Module):
         3. [plan rows | member rows] attend over the layer's cached K/V, then o and the MLP;
         4. the members' outputs go to ``hook.after_layer``.
 
+        With :class:`CachedFeatures` from ``hook.features`` (feature caching) the pass runs on their ``rows`` only
+        and every plan row's output is its input plus the layer's cached attention and MLP outputs (see
+        :meth:`_feature_step`).
+
         Returns the plan rows' outputs ``[B, C, d]`` and the probed attention ``[B, H, R, T+1]`` (or None).
         """
+        features = hook.features(layer, h, meter) if hasattr(hook, "features") else None
+        if features is not None:
+            if probe_rows is not None:
+                raise ValueError("an attention probe cannot ride along a layer that reuses cached features")
+            return self._feature_step(layer, h, index, positions, cache, hook, meter, features), None
         spec = self.spec
         parts = self.layer_parts(layer)
         B, C, _ = h.shape
@@ -314,6 +352,39 @@ class DiffusionLM(nn.Module):
             out = out[:, :C]
         return out, probs
 
+    def _feature_step(self, layer, h, index, positions, cache: DecodeCache, hook: LayerHook, meter: CostMeter,
+                      features: CachedFeatures) -> torch.Tensor:
+        """:meth:`layer_step` with feature caching: the ``R`` rows of ``features.rows`` go through q/k/v (K/V written
+        at their slots), attention over the layer's cache, o (→ ``features.attn`` at those rows), then the MLP of
+        ``h + attn`` at those rows (→ ``features.mlp``); every plan row's output is ``(h + attn) + mlp`` ``[B, C, d]``.
+        With ``R = 0`` no weight is read. The hook may not add extra rows or members to such a layer."""
+        spec = self.spec
+        parts = self.layer_parts(layer)
+        rows = features.rows
+        B, R = rows.shape
+        if R > 0:
+            d = spec.d_model
+            x = parts.attn_norm(_gather_rows(h, rows))
+            q = parts.q(x).view(B, R, spec.n_heads, spec.head_dim).transpose(1, 2)
+            k = parts.k(x).view(B, R, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+            v = parts.v(x).view(B, R, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+            cos, sin = self.rotary.cos_sin(positions.gather(1, rows))
+            q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+            self.write_kv(cache, layer, index.gather(1, rows), k, v)
+            keys, values = cache.k[layer], cache.v[layer]
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.key_valid[:, None, None, :],
+                                                 enable_gqa=spec.n_kv_heads != spec.n_heads)
+            _scatter_rows(features.attn, rows, parts.o(att.transpose(1, 2).reshape(B, R, d)))
+            y = parts.mlp_norm(_gather_rows(h + features.attn, rows))
+            _scatter_rows(features.mlp, rows, parts.down(F.silu(parts.gate(y)) * parts.up(y)))
+            meter.rows(layer_rows=B * R)
+            meter.attention(keys, values)
+            for weight in (parts.attn_norm.weight, parts.mlp_norm.weight):
+                meter.weight(weight)
+            for proj in (parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down):
+                meter.linear(proj)
+        return (h + features.attn) + features.mlp
+
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
                         meter: CostMeter | None = None) -> torch.Tensor:
         """Softmax attention of queries ``[B, H, R, hd]`` over cached keys ``[B, Hkv, T+1, hd]`` → fp32
@@ -327,6 +398,11 @@ class DiffusionLM(nn.Module):
         if meter is not None:
             meter.weight(self.head_weight())
         return self.head(h)
+
+
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t[b, rows[b, r]]``: ``t [B, C, d]``, ``rows [B, R]`` → ``[B, R, d]``."""
+    return t.gather(1, rows[..., None].expand(-1, -1, t.shape[-1]))
 
 
 def _scatter_rows(buffer: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:  # the backbone's row types, imported for annotations only (the backbone imports this module)
-    from .backbone import ExtraRows, LayerQKV, MemberRows
+    from .backbone import CachedFeatures, ExtraRows, LayerQKV, MemberRows
     from .cost import CostMeter
 
 
@@ -29,8 +29,13 @@ class LayerHook(Protocol):
        the plan's rows;
     3. ``after_layer(l, out [B, M, d])`` with those rows' outputs.
 
+    Or, for feature caching, first ``features(l, h, meter)`` → :class:`~polestar.models.backbone.CachedFeatures`:
+    the layer then recomputes only those plan rows and reuses its cached attention and MLP outputs for the others
+    (and calls none of the three).
+
     Attributes read after the pass: ``evals`` ``[B]`` long, positions of each sequence the hook computed (counted
-    as that sequence's compute); ``head_rows`` ``[B, M, d]`` last-layer rows that want logits with the block's (an
+    as that sequence's compute; with feature caching, the rows the layers recomputed minus the plan rows, which
+    the engine counts as computed at every layer); ``head_rows`` ``[B, M, d]`` last-layer rows that want logits with the block's (an
     update packet), with ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False when the hook
     decides on the host (the step then runs eagerly).
     """
@@ -40,6 +45,11 @@ class LayerHook(Protocol):
     head_rows: torch.Tensor | None = None
     head_positions: torch.Tensor | None = None
     head_valid: torch.Tensor | None = None
+
+    def features(self, layer: int, h: torch.Tensor, meter: CostMeter) -> CachedFeatures | None:
+        """The rows layer ``layer`` recomputes and its cached outputs for the others (feature caching), or None
+        (default: the layer recomputes every plan row)."""
+        return None
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | None:
         """Rows to add to layer ``layer``'s q/k/v pass, or None (default)."""

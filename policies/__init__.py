@@ -9,8 +9,8 @@ from . import (  # noqa: F401  (registration side effects)
     drift,
     offload,
     quant,
-    refresh_adaptive,
     refresh_basic,
+    refresh_dllm,
     refresh_elastic,
     refresh_polestar,
 )
@@ -31,8 +31,6 @@ _POLICIES = [
     ("elastic-cache", "elastic", "threshold", {},
      "Elastic-Cache: sliding-window commits with far-mask caching; the tracked tokens, previous commits and window "
      "are recomputed, every position from the layer above the one where tracked attention drifts past gamma"),
-    ("dllm-cache", "dllm-cache", "threshold", {},
-     "dLLM-Cache: interval prompt/response refresh + value-change-driven partial updates"),
     ("polestar", "polestar", "polestar", _DRIFT_STAGES,
      "Polestar: drift-aware sparse cache updates + drift-delta early commit + suffix-block commit"),
     ("polestar-commit", "dual", "polestar", {},
@@ -43,3 +41,10 @@ _POLICIES = [
 
 for _name, _refresh, _commit, _extra, _description in _POLICIES:
     register_policy(PolicySpec(_name, {"refresh": _refresh, "commit": _commit, **_extra}, description=_description))
+
+# dLLM-Cache's released loop: LLaDA's fixed steps per block, low-confidence remasking ranked by the softmax over the
+# whole vocabulary (``commit=threshold`` swaps in a confidence threshold)
+register_policy(PolicySpec(
+    "dllm-cache", {"refresh": "dllm-cache", "commit": "topk"}, {"commit": {"mask_in_softmax": True}},
+    description="dLLM-Cache: per-layer attention/MLP feature cache, interval prompt/response refresh, the ratio of "
+                "response rows whose values moved most recomputed in between; LLaDA's fixed steps per block"))

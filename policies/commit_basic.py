@@ -35,18 +35,32 @@ class TopKCommit(CommitRule):
     block's masks over ``steps // num_blocks`` steps, choosing the most confident (``low_confidence`` remasking) or
     random ones (``random``). Source: Nie et al. 2025, ``generate.py``. It has no confidence floor: the count is
     fixed by the schedule, so a step commits its share of tokens whatever their confidence. Shapes: scores
-    ``[B, bl]``."""
+    ``[B, bl]``.
+
+    ``mask_in_softmax``: rank by the proposed token's probability under the softmax of the raw logits over the
+    whole vocabulary, mask token included, in the logits' precision and at least fp32, as dLLM-Cache's released loop
+    ranks them (Liu et al. 2025), instead of the library's fp64 confidence with the mask token excluded; the committed
+    tokens are the same proposals either way."""
 
     @attrs.frozen
     class Config:
         remasking: str = attrs.field(default="low_confidence", validator=v.in_(tuple(_REMASKING)))
+        mask_in_softmax: bool = attrs.field(default=False, validator=v.instance_of(bool))
+
+        def __attrs_post_init__(self):
+            if self.mask_in_softmax and self.remasking != "low_confidence":
+                raise ValueError("mask_in_softmax ranks by confidence: it needs remasking='low_confidence'")
 
     @property
     def needs_random(self) -> bool:
         return self.config.remasking == "random"
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
-        scores = _REMASKING[self.config.remasking](pred, state).masked_fill(~masked, float("-inf"))
+        scores = _REMASKING[self.config.remasking](pred, state)
+        if self.config.mask_in_softmax:
+            logits = pred.logits.to(torch.promote_types(pred.logits.dtype, torch.float32))
+            scores = torch.softmax(logits, dim=-1).gather(-1, pred.tokens[..., None]).squeeze(-1)
+        scores = scores.masked_fill(~masked, float("-inf"))
         steps = state.num_transfer.shape[1]
         column = state.clock.step.clamp(max=steps - 1).expand(state.batch_size, 1)
         k = state.num_transfer.gather(1, column)  # a gather at the device step: no Python int enters the step

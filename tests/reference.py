@@ -317,7 +317,7 @@ def _dllm_forward(model, x, P, n, cache, prompt_interval, gen_interval, ratio, k
 
 def _dllm_llada_row(model, ids, gen_length, steps, block_length, prompt_interval, gen_interval, ratio, k_cols):
     """dLLM-Cache's LLaDA generation loop (its ``utils.generate``: blocks of ``block_length``, ``steps // blocks``
-    forwards per block, low-confidence remasking, greedy) for one prompt."""
+    forwards per block, low-confidence remasking, greedy) for one prompt (on Dream with its logits shifted by one)."""
     mask_id = model.spec.mask_id
     P = ids.shape[0]
     x = torch.full((1, P + gen_length), mask_id, dtype=torch.long)
@@ -333,7 +333,10 @@ def _dllm_llada_row(model, ids, gen_length, steps, block_length, prompt_interval
         for i in range(per_block):
             masked = x[:, P:] == mask_id
             n += 1
-            logits = _dllm_forward(model, x, P, n, cache, prompt_interval, gen_interval, ratio, k_cols, count)[:, P:]
+            logits = _dllm_forward(model, x, P, n, cache, prompt_interval, gen_interval, ratio, k_cols, count)
+            if model.spec.logit_shift:  # Dream: position j predicted from row j - 1
+                logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+            logits = logits[:, P:]
             x0 = torch.argmax(logits.exp(), dim=-1)  # temperature 0: the official "noise" is exp(logits)
             p = F.softmax(logits, dim=-1)
             conf = torch.gather(p, -1, x0[..., None]).squeeze(-1)
@@ -383,7 +386,7 @@ def _dllm_dream_row(model, ids, gen_length, steps, prompt_interval, gen_interval
 
 def dllm_cache_generate(model, prompt, attention_mask=None, gen_length=64, steps=64, block_length=16,
                         prompt_interval=50, gen_interval=7, ratio=0.25, alg="entropy", eps=1e-3,
-                        dream_k_cols="official"):
+                        dream_k_cols="official", loop=None):
     """dLLM-Cache (maomaocun/dLLM-cache) as its official code runs, one batch row at a time.
 
     ``prompt [B, P]`` (left padding marked 0 in ``attention_mask [B, P]``, each row decoded as if alone).
@@ -391,14 +394,16 @@ def dllm_cache_generate(model, prompt, attention_mask=None, gen_length=64, steps
     remasking).  Dream: Dream's own ``diffusion_generate`` loop with ``alg`` (dLLM-Cache's Dream scripts use
     ``entropy``) over ``steps`` forwards.  ``dream_k_cols``: the Dream hook writes the picked rows' fresh keys into
     only the first ``d_model // 7`` key columns (right for Dream-7B's 512-wide K, short on other widths);
-    ``"official"`` reproduces that, ``None`` writes whole rows.  Returns ``(x, stats)`` (see above)."""
+    ``"official"`` reproduces that, ``None`` writes whole rows.  ``loop="llada"``: the LLaDA loop on either family
+    (on Dream not a released configuration; it checks the hooked forward inside LLaDA's schedule).  Returns
+    ``(x, stats)`` (see above)."""
     spec = model.spec
     k_cols = None
     if spec.family == "dream" and dream_k_cols == "official":
         k_cols = spec.d_model // 7
     outs, stats = [], []
     for ids in _prompt_rows(prompt, attention_mask):
-        if spec.family == "llada":
+        if spec.family == "llada" or loop == "llada":
             seq, st = _dllm_llada_row(model, ids, gen_length, steps, block_length, prompt_interval, gen_interval,
                                       ratio, k_cols)
         else:

@@ -38,7 +38,14 @@ def test_same_seed_same_tokens(llada, policy, temperature):
     check_determinism(llada, policy, temperature=temperature, prompts=PROMPTS, **DECODING)
 
 
+#: options that make a policy's decisions independent of rounding noise: dLLM-Cache ranks value cosines exactly as
+#: its released code does, and on the random Dream model the unchanged rows' cosines lie within a few ulps of each
+#: other, which left padding moves; compared on a 2^-16 grid they pick the same rows alone and in a batch
+BATCH_OPTIONS = {"dllm-cache": {"refresh.similarity_grid": 2.0**-16}}
+
+
 @pytest.mark.parametrize("policy", polestar.policy_names())
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_batch_invariance(request, family, policy):
-    check_batch_invariance(request.getfixturevalue(family), policy, prompts=PROMPTS, **BATCH_DECODING)
+    check_batch_invariance(request.getfixturevalue(family), policy, BATCH_OPTIONS.get(policy), prompts=PROMPTS,
+                           **BATCH_DECODING)
