@@ -28,9 +28,8 @@ make_model = _testing.tiny_model
 SLOW_ELSEWHERE = {
     "tests/test_compile.py": ("test_compiled_generation_matches_eager_without_graph_breaks",
                               "test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_and_equals_eager"),
-    "tests/test_step_capture.py": ("test_every_step_is_a_replayable_graph_with_one_host_read",
-                                   "test_one_host_read_per_step_and_every_step_captured",
-                                   "test_observers_get_copies_that_outlive_the_next_step"),
+    "tests/test_step_capture.py": ("test_every_step_is_a_replayable_graph_with_one_host_read",),
+    "tests/test_step_observers.py": ("test_observers_get_copies_that_outlive_the_next_step",),
     "tests/test_gpu_check.py": ("test_check_sh_installs_offline_and_runs_every_step",
                                 "test_check_sh_runs_from_the_source_tree_when_nothing_is_installed"),
     "tests/test_step_cost.py": ("test_profile_shares_cover_the_step_and_see_polestar_stages",),
