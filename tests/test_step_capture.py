@@ -1,7 +1,7 @@
 """Every registered policy decodes with one host read per step, eagerly and compiled, and every compiled step is a
 graph a CUDA graph can replay: captured whole, mutating only static addresses, with no int input, one graph per
-step phase, and nothing read after the next step overwrote it (with the ``trace`` and ``anatomy`` observers:
-``tests/test_step_observers.py``).
+step phase, and nothing read after the next step overwrote it. ``tests/test_step_capture_batch3.py`` runs the LLaDA
+batch-3 cases of :data:`CASES` and the check with the ``trace`` and ``anatomy`` observers.
 
 The compiled runs use :class:`polestar.graph_rules.GraphProbe`: dynamo (``fullgraph=True``: any graph break fails)
 and AOT tracing exactly as inductor gets the graph, without inductor's code generation, so every policy is checked
@@ -111,8 +111,17 @@ CASES += [("dream", p, 3, {}) for p in _one_policy_per_stage()]
 CASES += [(f, "polestar", 3, {"cluster_layers_together": False}) for f in ("llada", "dream")]
 
 
-@pytest.mark.parametrize("family, policy, batch, overrides", CASES,
-                         ids=[f"{f}-{p}-b{b}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, p, b, o in CASES])
+#: the LLaDA batch-3 cases run in ``tests/test_step_capture_batch3.py``, beside the observers' check: under
+#: ``--dist loadfile`` a file runs on one worker, and the two halves of the capture work take minutes each
+BATCH3 = [case for case in CASES if case[0] == "llada" and case[2] == 3 and not case[3]]
+HERE = [case for case in CASES if case not in BATCH3]
+
+
+def case_ids(cases) -> list[str]:
+    return [f"{f}-{p}-b{b}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, p, b, o in cases]
+
+
+@pytest.mark.parametrize("family, policy, batch, overrides", HERE, ids=case_ids(HERE))
 def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, batch, overrides):
     probe, runner = _check_against_eager(_model(family), policy, batch, overrides)
     if family == "llada" and batch == 1 and not overrides and policy in GRAPHS_AT_BATCH_1:

@@ -1,12 +1,13 @@
-"""The ``trace`` and ``anatomy`` observers under a compiled step: they keep what each step showed them while later
+"""The LLaDA batch-3 cases of ``tests/test_step_capture.py`` (every registered policy, mixed prompt lengths, stop at
+EOS), in a file of their own so that the capture work runs on two workers under ``pytest -n 2 --dist loadfile``;
+and the ``trace`` and ``anatomy`` observers under a compiled step: they keep what each step showed them while later
 steps overwrite every tensor a step returned (:class:`polestar.graph_rules.GraphProbe` with ``poison=True``, as the
 next replay of a CUDA graph would), and their records equal eager decoding's.
 
 An observer puts a :class:`~polestar.state.StepDetail` in the step's state, so each policy compiles graphs of its
 own here (``tests/test_step_capture.py`` compiles the graphs without observers). What a record holds comes from the
 stages, so one policy per registered stage (from the registry, as the Dream shape of ``test_step_capture.py``)
-covers every stage's records; this file is apart from ``test_step_capture.py`` so that the two run on two workers
-under ``pytest -n 2 --dist loadfile``.
+covers every stage's records.
 """
 
 import pytest
@@ -15,7 +16,19 @@ import torch
 from polestar.bench.anatomy import CommitRecorder
 from polestar.graph_rules import GraphProbe
 from polestar.tracing.record import TraceRecorder
-from tests.test_step_capture import _decode, _model, _one_policy_per_stage
+from tests.test_step_capture import (
+    BATCH3,
+    _check_against_eager,
+    _decode,
+    _model,
+    _one_policy_per_stage,
+    case_ids,
+)
+
+
+@pytest.mark.parametrize("family, policy, batch, overrides", BATCH3, ids=case_ids(BATCH3))
+def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, batch, overrides):
+    _check_against_eager(_model(family), policy, batch, overrides)
 
 
 @pytest.mark.parametrize("policy", _one_policy_per_stage())
