@@ -44,6 +44,10 @@ SLOW_ELSEWHERE = {
 #: number of tests in a file, is turned off in :func:`pytest_configure`): these start first and the short files fill
 #: in around them, so the two workers end together instead of one starting a long file last.
 LONGEST_FIRST = (
+    "tests/test_step_capture.py", "tests/test_step_capture_batch3.py", "tests/test_meta_shapes.py",
+    "tests/test_gpu_check.py", "tests/test_compile.py", "tests/test_shipped.py", "tests/kernels/test_kernel_aot.py",
+    "tests/test_distributed.py", "tests/test_lm_eval.py", "tests/test_published_files.py", "tests/test_trace.py",
+    "tests/test_polestar_cache.py",
 )
 
 
