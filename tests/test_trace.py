@@ -337,30 +337,3 @@ def test_a_missing_browser_skips_the_page_check_here_and_fails_it_where_required
     # CI sets the variable before it runs the README's test command, so there a missing browser fails the suite
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
     assert f"export {REQUIRE_BROWSER}=1" in ci and ci.index(f"export {REQUIRE_BROWSER}=1") < ci.index("-m pytest")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["polestar"])
-def test_a_compiled_step_records_the_same_details(name):
-    """Under ``torch.compile`` (the ``eager`` backend: dynamo captures each step whole) the stages' details are
-    the compiled step's outputs, equal to the eager ones (Polestar: clusters, drift and members; captured
-    tokens and counters of every policy are checked in ``tests/test_step_capture.py``)."""
-    model = make_model("llada", seed=3, n_layers=2, d_model=32)
-    runs = []
-    for compile in (False, "eager"):
-        records = []
-        out = polestar.generate(model, [PROMPT], policy=name, on_step=records.append, compile=compile,
-                                **{**DECODING, "gen_length": 16})  # two blocks: a sparse update over a prefix window
-        runs.append((out, records))
-    (eager, eager_records), (compiled, compiled_records) = runs
-    assert compiled.stats.compiled_steps == compiled.stats.nfe > 0
-    assert compiled.tokens.tolist() == eager.tokens.tolist()
-    for a, b in zip(eager_records, compiled_records):
-        assert a.cost == b.cost
-        assert sorted(a.detail.refreshed) == sorted(b.detail.refreshed)
-        for layer, (positions, valid) in a.detail.refreshed.items():
-            assert torch.equal(positions, b.detail.refreshed[layer][0]) and torch.equal(valid, b.detail.refreshed[layer][1])
-        for layer, c in a.detail.clusters.items():
-            assert torch.allclose(c.drift, b.detail.clusters[layer].drift) and torch.equal(c.chosen, b.detail.clusters[layer].chosen)
-        for layer, t in a.detail.triggered.items():
-            assert torch.equal(t, b.detail.triggered[layer])
