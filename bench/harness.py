@@ -25,8 +25,8 @@ from polestar.bench.tasks import get_task
 from polestar.bench.tasks.base import Problem, check_split_size, split
 from polestar.evaluation import distributed
 from polestar.models.loading import dtype_name
+from polestar.overrides import Overrides
 from polestar.policy import Pipeline
-from polestar.registry import KINDS
 
 #: The most problems one bench run generates: every problem and record is held in memory (a larger evaluation
 #: is several runs, or ``--data`` files).
@@ -324,7 +324,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
         polestar.assemble(name, optional_overrides(options))
     for key, value in options.items():
         if not any(_accepts(name, key, value, options) for name in policies):
-            polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing valid options
+            polestar.assemble(policies[0], _alone(key, value, options))  # raises, listing valid options
     if resume and json_out is None:
         raise ValueError("--resume needs --json OUT.json (the finished items are kept beside it)")
     if data is None:
@@ -412,18 +412,19 @@ def format_profile(profile: dict[str, dict[str, float]]) -> str:
 def optional_overrides(options: dict[str, Any]) -> dict[str, Any]:
     """``--set`` options as optional overrides (``key?``): each applies to the policies whose stages take it
     (see :func:`polestar.assemble`)."""
-    return {k + "?": v for k, v in options.items()}
+    return Overrides.parse(options).as_optional().as_dict()
 
 
-def _swaps(options: dict[str, Any], but: str) -> dict[str, Any]:
-    """The stage swaps among ``options`` (other than ``but``), as optional overrides."""
-    return optional_overrides({k: v for k, v in options.items() if k in KINDS and k != but})
+def _alone(key: str, value: Any, options: dict[str, Any]) -> Overrides:
+    """``key=value`` with the other stage swaps among ``options``, those as optional overrides."""
+    others = Overrides.parse({k: v for k, v in options.items() if k != key}).swaps_only().as_optional()
+    return others.merge({key: value})
 
 
 def _accepts(policy: str, key: str, value: Any, options: dict[str, Any]) -> bool:
     """Whether ``policy``, with the stage swaps of ``options``, has a stage taking ``key=value``."""
     try:
-        polestar.assemble(policy, {**_swaps(options, key), key: value})
+        polestar.assemble(policy, _alone(key, value, options))
     except ValueError:
         return False
     return True
@@ -473,7 +474,7 @@ def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) 
             polestar.assemble(name, optional_overrides(options))
         for key, value in options.items():
             if not any(_accepts(name, key, value, options) for name in policies):
-                polestar.assemble(policies[0], {**_swaps(options, key), key: value})  # raises, listing options
+                polestar.assemble(policies[0], _alone(key, value, options))  # raises, listing options
     except (ValueError, TypeError) as err:
         raise cc.UsageError(f"--set: {cc.one_line(err)}") from None
     cc.check_device(args.device)

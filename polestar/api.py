@@ -15,6 +15,7 @@ from polestar.models.text import chat_prompt_ids, decode_texts, encode_text
 
 from .config import GenerationConfig
 from .engine import decode
+from .overrides import Overrides
 from .policy import Pipeline, assemble
 from .state import StepRecord
 from .stats import RunStats, compile_seconds
@@ -205,12 +206,15 @@ def generate(
     ``polestar.bench.tasks``, e.g. ``"arith"``) formats each string prompt with the task's prompt layout, as
     ``polestar generate --task`` does: ``generate(model, ["3+4*2-5"], task="arith")``.
     """
+    # threshold: an optional generic option, ignored by policies without it; an explicit option wins over it
+    options = Overrides.parse(overrides)
+    if threshold is not None:
+        options = Overrides(generic={"threshold": threshold}, optional={"threshold"}).merge(options)
     if isinstance(model, (str, Path)):  # bad options and a missing checkpoint are named before any weight loads
         from polestar.models.loading import resolve_checkpoint
 
         if not isinstance(policy, Pipeline):
-            assemble(policy, {**overrides, **({"threshold?": threshold} if threshold is not None else {})},
-                     check_stages=False)
+            assemble(policy, options, check_stages=False)
         resolve_checkpoint(model)
         model = load(model)
     if gen_length is None or block_length is None:
@@ -231,9 +235,7 @@ def generate(
                              "them to polestar.assemble instead")
         pipeline = policy
     else:
-        if threshold is not None:
-            overrides.setdefault("threshold?", threshold)
-        pipeline = assemble(policy, overrides, check_stages=check_stages)
+        pipeline = assemble(policy, options, check_stages=check_stages)
     ids, mask = encode_prompts(model, prompts, chat=chat, system=system)
     total = ids.shape[1] + gen_length
     if total > model.spec.max_seq_len:

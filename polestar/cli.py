@@ -33,6 +33,7 @@ from .cli_checks import (
     parse_sets,
     working,
 )
+from .overrides import Overrides
 from .plugins import load_plugins
 from .tracing.cli import add_trace_args
 
@@ -107,7 +108,7 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
 
-def _check_policy(policy: str, sets: dict[str, Any]) -> None:
+def _check_policy(policy: str, sets: Overrides) -> None:
     """The policy exists and every ``--set`` applies to one of its stages with a valid value. Strict: one policy
     was asked for, so an option none of its stages has is an error, never silently ignored."""
     import polestar
@@ -206,10 +207,7 @@ def cmd_generate(args) -> int:
     for key, fallback in _PRESET_FLAGS.items():  # explicit flags win over the preset
         if getattr(args, key) is None:
             setattr(args, key, given.get(key, fallback))
-    user = parse_sets(args.set)
-    mine = {k.rstrip("?") for k in user}
-    sets = {k: v for k, v in (preset.options.items() if preset is not None else ()) if k.rstrip("?") not in mine}
-    sets.update(user)
+    sets = Overrides.parse(preset.options if preset is not None else {}).merge(parse_sets(args.set))
     decoding = decoding_from_args(args)
     # temperature None: generation_config.json's value, known once the model is loaded
     check_generation_config({k: v for k, v in decoding.items() if v is not None})
@@ -235,7 +233,7 @@ def cmd_generate(args) -> int:
     for rows in batches:
         with working("decoding"):
             out = polestar.generate(model, [prompts[i] for i in rows], policy=args.policy, chat=args.chat,
-                                    system=args.system, **decoding, **sets)
+                                    system=args.system, **decoding, **sets.as_dict())
         outs.append((rows, out))
         progress.update(len(rows))
     for rows, out in outs:
@@ -278,7 +276,7 @@ def cmd_presets(args) -> int:
         return 0
     for name, p in info.items():
         decoding = ", ".join(f"{k}={v}" for k, v in p["decoding"].items())
-        options = ", ".join(f"{k.rstrip('?')}={v}" for k, v in p["options"].items())
+        options = ", ".join(f"{k}={v}" for k, v in Overrides.parse(p["options"]).items())
         print(f"{name:22s} policy={p['policy']} {decoding}\n{'':22s} {options}\n{'':22s} {p['description']}")
     return 0
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from . import contracts, registry
+from .overrides import Overrides
 from .registry import UnknownNameError
 
 # stage kinds a policy composes, in the order they are assembled
@@ -77,55 +79,42 @@ class Pipeline:
         return {kind: {"name": st.name, **attrs.asdict(st.config)} for kind, st in self.stages.items()}
 
 
-def assemble(policy: str, overrides: dict[str, Any] | None = None, check_stages: bool | None = None) -> Pipeline:
-    """Build the stages of ``policy`` with ``overrides``.
+def assemble(policy: str, overrides: Overrides | Mapping[str, Any] | None = None,
+             check_stages: bool | None = None) -> Pipeline:
+    """Build the stages of ``policy`` with ``overrides``: an :class:`~polestar.overrides.Overrides`, or a mapping
+    in its string form, read by :meth:`Overrides.parse <polestar.overrides.Overrides.parse>`.
 
     An override whose key is a stage kind (``refresh=elastic``) swaps that stage; ``kind.option=value`` sets an
-    option of one stage; a bare ``option=value`` sets that option on every stage that has it. Options no stage has
-    are an error that lists the valid ones. A key ending in ``?`` is optional: ``quant?=none`` swaps the stage
-    only in a policy that has a ``quant`` stage, ``refresh.topk?=8`` and ``threshold?=0.8`` set the option only
-    where a stage has it, and neither is an error elsewhere (``polestar bench`` passes ``--set`` this way, so one
-    setting can apply to several policies). A swap of a composed kind (drift, cluster, quant, offload) that no
-    stage of the policy reads is an error naming the stages that would read it. Stages from outside the package
-    (plugins, entry points, your own classes) have every output checked against their kind's contract
-    (:mod:`polestar.contracts`; the step then runs eagerly); ``check_stages=True`` (or the environment variable
-    ``POLESTAR_CHECK_STAGES=1``) checks the built-in stages too, ``check_stages=False`` (``=0``) none.
+    option of one stage; a bare ``option=value`` sets that option on every stage that has it (``kind.option``
+    wins over it on that stage). Options no stage has are an error that lists the valid ones. A key ending in
+    ``?`` is optional: ``quant?=none`` swaps the stage only in a policy that has a ``quant`` stage,
+    ``refresh.topk?=8`` and ``threshold?=0.8`` set the option only where a stage has it, and neither is an error
+    elsewhere (``polestar bench`` passes ``--set`` this way, so one setting can apply to several policies). A swap
+    of a composed kind (drift, cluster, quant, offload) that no stage of the policy reads is an error naming the
+    stages that would read it. Stages from outside the package (plugins, entry points, your own classes) have
+    every output checked against their kind's contract (:mod:`polestar.contracts`; the step then runs eagerly);
+    ``check_stages=True`` (or the environment variable ``POLESTAR_CHECK_STAGES=1``) checks the built-in stages
+    too, ``check_stages=False`` (``=0``) none.
     """
     spec = get_policy(policy)
-    overrides = dict(overrides or {})
+    overrides = Overrides.parse(overrides)
     chosen = dict(spec.stages)
-    swapped = [kind for kind in registry.KINDS if kind in overrides]
-    for kind in swapped:
-        chosen[kind] = str(overrides.pop(kind))
+    swapped = overrides.swapped(optional=False)
+    chosen.update(swapped)
     _add_required(chosen)
     for kind in swapped:
         _check_consumed(policy, kind, chosen)
-    for kind in registry.KINDS:
-        if kind + "?" in overrides:  # an optional swap: only in a policy that has this stage
-            name = str(overrides.pop(kind + "?"))
-            if kind in chosen:
-                chosen[kind] = name
+    for kind, name in overrides.swapped(optional=True).items():  # only in a policy that has this stage
+        if kind in chosen:
+            chosen[kind] = name
     _add_required(chosen)
-    options: dict[str, dict[str, Any]] = {
-        kind: dict(spec.options.get(kind, {})) if chosen[kind] == spec.stages.get(kind) else {} for kind in chosen
-    }
     fields = {kind: registry.config_fields(kind, name) for kind, name in chosen.items()}
-    for key, value in overrides.items():
-        optional = key.endswith("?")  # a generic option that stages without it ignore
-        key = key.rstrip("?")
-        if "." in key:
-            kind, opt = key.split(".", 1)
-            if kind not in fields or opt not in fields[kind]:
-                if optional:
-                    continue
-                raise ValueError(_unknown_option(key, fields))
-            options[kind][opt] = value
-            continue
-        targets = [kind for kind in fields if key in fields[kind]]
-        if not targets and not optional:
-            raise ValueError(_unknown_option(key, fields))
-        for kind in targets:
-            options[kind][key] = value
+    unknown = overrides.unconsumed(fields)
+    if unknown:
+        raise ValueError(_unknown_option(unknown[0], fields))
+    given = overrides.stage_options(fields)
+    options = {kind: {**(spec.options.get(kind, {}) if chosen[kind] == spec.stages.get(kind) else {}), **given[kind]}
+               for kind in chosen}
     stages = {kind: registry.build(kind, name, **options[kind]) for kind, name in chosen.items()}
     stages = {kind: contracts.checked(stage) if contracts.wanted(stage, check_stages) else stage
               for kind, stage in stages.items()}

@@ -52,6 +52,7 @@ from polestar.config import GenerationConfig
 from polestar.inspection import announce_model
 from polestar.models.loading import read_config, resolve_checkpoint
 from polestar.models.text import encode_text
+from polestar.overrides import Overrides
 from polestar.plugins import load_plugins, split_plugin_list
 
 from . import distributed
@@ -184,25 +185,24 @@ class ModelArgs:
             raise ValueError(f"model arguments: {' '.join(text.split())}") from None
 
 
-def stage_overrides(args: ModelArgs, overrides: dict[str, Any]) -> dict[str, Any]:
-    """``set.`` options and ``threshold`` over the preset's stage options (an explicit key replaces the preset's
-    optional one)."""
-    mine = dict(overrides)
+def stage_overrides(args: ModelArgs, overrides: Overrides) -> Overrides:
+    """The preset's stage options under ``threshold`` and the ``set.`` options (an explicit setting replaces the
+    preset's, and a ``set.`` option replaces ``threshold``)."""
+    preset = Overrides.parse(get_preset(args.preset).options if args.preset is not None else {})
     if args.threshold is not None:
-        mine.setdefault("threshold?", args.threshold)
-    names = {k.rstrip("?") for k in mine}
-    preset = get_preset(args.preset).options if args.preset is not None else {}
-    return {**{k: val for k, val in preset.items() if k.rstrip("?") not in names}, **mine}
+        preset = preset.merge(Overrides(generic={"threshold": args.threshold}, optional={"threshold"}))
+    return preset.merge(overrides)
 
 
-def check_arguments(kwargs: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
+def check_arguments(kwargs: dict[str, Any]) -> tuple[ModelArgs, Overrides]:
     """Every check of the model arguments that needs no weights, as one ValueError naming the argument: unknown or
     malformed arguments, the plugins (imported here), the policy and its stage options, the decoding layout, an
     explicit ``device`` this machine does not have (never a silent fallback) and a checkpoint that is not there.
     ``polestar lm-eval`` runs it before lm-eval starts; the model runs it again when lm-eval builds it."""
     from polestar.cli_checks import check_device
 
-    args, overrides = ModelArgs.parse(kwargs)
+    args, stage = ModelArgs.parse(kwargs)
+    overrides = Overrides.parse(stage)
     if args.plugin:  # stages and policies of a plugin, registered before the policy is assembled
         load_plugins(split_plugin_list(args.plugin))
     try:
@@ -311,8 +311,9 @@ class PolestarLM(LM):
         return context
 
     def _stage_overrides(self) -> dict[str, Any]:
-        """The stage options of this model's policy (:func:`stage_overrides`)."""
-        return stage_overrides(self.args, self.overrides)
+        """The stage options of this model's policy (:func:`stage_overrides`), as :func:`polestar.generate`'s
+        keyword overrides."""
+        return stage_overrides(self.args, self.overrides).as_dict()
 
     def generation_length(self, task: str | None, max_gen_toks: int | None) -> int:
         """Generation length (tokens) of a request of lm-eval task ``task`` (see the module docstring)."""

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from polestar.api import generate, load
+from polestar.overrides import Overrides
 from polestar.policy import assemble
 
 from .figures import PolicyFigures, first_difference, policy_figures
@@ -50,22 +51,20 @@ def check_policies(policies: Sequence[str], overrides: dict[str, Any]) -> list[s
         raise ValueError(f"a trace shows one policy or two side by side; got {len(names)}: {', '.join(names) or '-'}")
     if len(names) == 2 and names[0] == names[1]:
         raise ValueError(f"the two policies are the same ({names[0]}); trace two different ones, or one")
+    given = Overrides.parse(overrides)
     for name in names:
-        assemble(name, _optional(overrides) if len(names) > 1 else overrides)
-    for key, value in overrides.items():
+        assemble(name, given.as_optional() if len(names) > 1 else given)
+    for key, value in overrides.items():  # each option must apply to one policy, with the others optional
         errors = []
         for name in names:
             try:
-                assemble(name, {**_optional({k: v for k, v in overrides.items() if k != key}), key: value})
+                assemble(name, Overrides.parse({k: v for k, v in overrides.items() if k != key}).as_optional()
+                         .merge({key: value}))
             except (ValueError, TypeError) as err:
                 errors.append(err)
         if len(errors) == len(names):
             raise errors[0]
     return names
-
-
-def _optional(overrides: dict[str, Any]) -> dict[str, Any]:
-    return {(k if k.endswith("?") else k + "?"): v for k, v in overrides.items()}
 
 
 def token_label(model, token: int) -> str:
@@ -101,7 +100,7 @@ def trace(model, prompt: str | Sequence[int], policies: str | Sequence[str] = "f
         check_backend()
     if isinstance(model, (str, Path)):
         model = load(model)
-    options = _optional(overrides) if len(names) > 1 else overrides
+    options = Overrides.parse(overrides).as_optional() if len(names) > 1 else Overrides.parse(overrides)
     n_layers = model.spec.n_layers
     figures = []
     prompt_len = 0
