@@ -115,6 +115,8 @@ class _FeatureHook(LayerHook):
         else:
             rows = self.arange[:P] if self.prompt else self.arange[:0]
         rows = rows.expand(B, -1)
+        if self.state.detail is not None:  # an observer records: the rows the layer recomputes besides the pick
+            self.state.detail.computed[layer] = (rows, self.own.gather(1, rows))
         if not (layer == 0 or self.response) and self.transfer:
             rows = torch.cat([rows, P + self._value_pick(layer, h, meter)], dim=1)
         self.evals.add_(self.own.gather(1, rows).sum(dim=1) - self.own.sum(dim=1))

@@ -298,7 +298,7 @@ class _TrackPass(LayerHook):
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
         T, P = state.length, state.prompt_len
         still = state.schedule.candidates(state)  # [B, G] positions still to decode, as of the forward's start
-        self.masked = torch.cat([torch.zeros_like(still[:, :P]), still], dim=1)[:, :T]
+        self.masked = torch.cat([still.new_zeros(still.shape[0], P), still], dim=1)[:, :T]  # [B, T]
 
     def retrack_rows(self, layer: int) -> torch.Tensor:
         """``[B]`` bool: rows whose window rows this layer computed."""
