@@ -16,10 +16,10 @@ import argparse
 import json
 from pathlib import Path
 
-from polestar.bench.item_log import write_atomic
 from polestar.bench.plot_labels import place_labels
 from polestar.bench.run_files import result_files, run_base
 from polestar.bench.sweep_table import accuracy_cell
+from polestar.output_files import write_atomic
 
 #: markers of the single points, cycled (the colours follow matplotlib's cycle)
 MARKERS = ("s", "D", "^", "v", "P", "X", "<", ">", "p", "h")

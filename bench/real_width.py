@@ -38,9 +38,9 @@ import torch
 
 import polestar
 from polestar.bench.harness import si
-from polestar.bench.item_log import write_atomic
 from polestar.models.loading import resolve_dtype
 from polestar.models.published import published_model
+from polestar.output_files import write_atomic
 
 ENV_PREFIX = "POLESTAR_RW_"
 #: the narrow width of ``POLESTAR_RW_WIDTH=tiny``

@@ -208,7 +208,7 @@ def check_task_prompts(task_name: str | None, prompts: list[str]) -> None:
 
 def get_task_or_usage(task_name: str):
     """The registered task ``task_name``; an unknown name is a :class:`UsageError` listing the tasks."""
-    from polestar.bench.tasks import get_task
+    from polestar.tasks import get_task
 
     try:
         return get_task(task_name)

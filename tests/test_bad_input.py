@@ -14,12 +14,12 @@ import torch
 
 import polestar
 from polestar.bench.harness import check_problem_args
-from polestar.bench.tasks import get_task, split, task_names
 from polestar.cli import build_parser, main
 from polestar.cli_checks import UsageError
 from polestar.models.loading import build_model, save_model
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
 from polestar.stats import RunStats, SequenceStats, compile_seconds
+from polestar.tasks import get_task, split, task_names
 from tests.conftest import make_model
 
 
@@ -77,7 +77,7 @@ GEN = ["generate", "--model", "tiny-llada", "--gen-length", "16", "--block-lengt
 BENCH = ["bench", "--model", "tiny-llada", "--n", "1", "--gen-length", "16", "--block-length", "8"]
 
 
-# ----------------------------------------------------------------------------- the cases listed in the issue
+# ----------------------------------------------------------------------------- bad flags, files and devices
 
 
 def test_device_cuda_without_cuda(capsys, no_work, monkeypatch):
@@ -232,7 +232,7 @@ def test_debug_shows_traceback(capsys, no_work):
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --device")
 
 
-# ----------------------------------------------------------------------------- also in the issue's deliver list
+# ----------------------------------------------------------------------------- bad options, layouts and prompts
 
 
 def test_out_of_range_option_names_key_and_range(capsys, no_work):

@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 import polestar
 from polestar.bench.harness import load_problems
-from polestar.bench.tasks import get_task
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit, PolestarCommitState
 from polestar.policies.commit_basic import ThresholdCommit
 from polestar.state import DecodeState, Prediction, StepClock, StepPhase, UpdatePacket
+from polestar.tasks import get_task
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import polestar
-from polestar.bench.tasks import get_task, split
 from polestar.models.loading import shipped_checkpoints
+from polestar.tasks import get_task, split
 
 #: the answer-noise rate the ``-noisy`` checkpoints were fine-tuned with (their model cards)
 ANSWER_NOISE = 0.15

@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
-from polestar.bench.tasks import get_task
-from polestar.bench.tasks.arith import solve
-from polestar.bench.tasks.base import PROMPT_WIDTH
 from polestar.models.loading import load_model
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
+from polestar.tasks import get_task
+from polestar.tasks.arith import solve
+from polestar.tasks.base import PROMPT_WIDTH
 from polestar.training.train import (
     DEFAULT_MIXTURE,
     GEN,

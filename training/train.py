@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from polestar.bench.tasks import get_task, iter_split, split
 from polestar.models.loading import build_model, load_model, save_model
 from polestar.models.text import as_transformers_tokenizer
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
+from polestar.tasks import get_task, iter_split, split
 
 #: Answer-region length (the benchmark generates 64 tokens).
 GEN = 64
@@ -286,7 +286,7 @@ def facts_batch(tok, batch: int, rng: random.Random, mask_id: int) -> tuple[torc
     batch 64 to learn them in isolation, and far longer when they are only seen inside diffusion batches); the same
     relative layout ``a<op>b=r`` appears in every arith answer, so with rotary positions the table transfers.
     """
-    from polestar.bench.tasks.arith import solve
+    from polestar.tasks.arith import solve
 
     rows, target = [], []
     for _ in range(batch):
@@ -516,7 +516,7 @@ def write_model_card(out: Path, args: argparse.Namespace, model, summary: dict) 
     text = f"""# {name}
 
 A tiny randomly-initialised **{ 'LLaDA' if s.family == 'llada' else 'Dream' }-architecture** masked diffusion LM trained
-from scratch on polestar's synthetic task suite (`polestar.bench.tasks`), shipped so that the decoding policies can
+from scratch on polestar's synthetic task suite (`polestar.tasks`), shipped so that the decoding policies can
 be tested and benchmarked on CPU. It is *not* a port of the real {'LLaDA-8B' if s.family == 'llada' else 'Dream-7B'} weights.
 
 Load with `polestar.load("{name}")` (or `polestar.models.loading.load_model("{name}")`).

@@ -46,7 +46,6 @@ from pathlib import Path
 import torch
 
 import polestar
-from polestar.bench.item_log import write_atomic
 from polestar.device_support import fp8_compile_blocker
 from polestar.fixtures import write_published_checkpoint
 from polestar.kernels.drift import kl_drift, reference_kl_drift
@@ -59,6 +58,7 @@ from polestar.kernels.quant import (
     reference_nvfp4_quantize,
 )
 from polestar.models.published import published_model
+from polestar.output_files import write_atomic
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 #: device-memory bound of loading, as a multiple of the weights

@@ -143,7 +143,7 @@ def _output_directory(output_path: str) -> Path:
 def check_output_path(argv: list[str]) -> None:
     """ValueError (exit 2) before lm-eval starts when ``--output_path`` cannot be written: its nearest existing
     folder must accept a new file (a file is created and removed there)."""
-    from polestar.bench.item_log import check_writable
+    from polestar.output_files import check_writable
 
     out = _values(argv, _OUTPUT)
     if out is None or not out[1]:
@@ -174,7 +174,7 @@ def write_counters(argv: list[str]) -> Path | None:
     if out is None or not out[1]:
         print(json.dumps(record, indent=1))
         return None
-    from polestar.bench.item_log import write_atomic
+    from polestar.output_files import write_atomic
 
     directory = _output_directory(out[1][0])
     directory.mkdir(parents=True, exist_ok=True)

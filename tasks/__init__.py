@@ -6,7 +6,7 @@ Registered tasks (see each module for the exact formats): ``arith``, ``countdown
 
 Example::
 
-    from polestar.bench.tasks import get_task, split
+    from polestar.tasks import get_task, split
     task = get_task("countdown")
     train = split(task, 1000, "train", seed=0)
     ok = task.check(train[0].input, train[0].output)
