@@ -3,7 +3,8 @@
 The backbone (:meth:`polestar.models.backbone.DiffusionLM.run_plan`) calls a hook three times per layer; a refresh
 selector makes one hook per step for sparse updates (Polestar's update packets, Elastic-Cache's members). The
 protocol lives with the model so the backbone can type the argument it calls; the core's stage base class
-:class:`polestar.stages.LayerHook` is this protocol with do-nothing defaults.
+:class:`polestar.stages.LayerHook` is this protocol with do-nothing defaults. A hook holds no model: what it runs on
+the model's weights goes through the :class:`~polestar.models.layer_ops.LayerOps` view its selector gives it.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ class RefreshSelector(Stage):
         numbers from ``state.generator`` into them. Default: nothing."""
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: Any) -> LayerHook | None:
-        """A :class:`LayerHook` for this step's forward (sparse updates), or None."""
+        """A :class:`LayerHook` for this step's forward (sparse updates), or None. The hook gets what it runs on the
+        model as a :class:`~polestar.models.layer_ops.LayerOps` view of ``model``, not the model."""
         return None
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 import polestar
 from polestar.bench.harness import load_problems
-from polestar.policies.refresh_polestar import split_clusters, top_clusters
+from polestar.policies.polestar_hooks import top_clusters
+from polestar.policies.refresh_polestar import split_clusters
 from polestar.registry import names
 from polestar.tasks import get_task
 from tests.conftest import make_model
