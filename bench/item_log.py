@@ -128,7 +128,8 @@ def check_previous(json_out: str | Path, header: dict[str, Any], resume: bool, o
     header = canonical(header)
     if resume:
         if prev.paths and prev.header != header:
-            settings = settings_diff(*({k: v for k, v in h.items() if k != PLUGINS} for h in (prev.header or {}, header)))
+            settings = settings_diff(*({k: v for k, v in h.items() if k != PLUGINS}
+                                       for h in (prev.header or {}, header)))
             if settings:
                 raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
                                  f"({'; '.join(settings)}); rerun with the same settings, or pass --overwrite "

@@ -32,7 +32,8 @@ def mapped_folders(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, Path]
 
 
 def _renamed(path: str, name: str) -> str:
-    """``path`` of a module loaded by its folder name ``name`` as installed: ``policies.x`` → ``polestar.policies.x``."""
+    """``path`` of a module loaded by its folder name ``name`` as installed: ``policies.x`` →
+    ``polestar.policies.x``."""
     return f"{PACKAGE}.{path}" if path == name or path.startswith(name + ".") else path
 
 

@@ -198,11 +198,11 @@ class DiffusionLM(nn.Module):
         one pass over the layer's weights (see :meth:`layer_step`).
 
         ``hook`` (optional, a sparse-update controller, :class:`~polestar.models.hooks.LayerHook`) adds rows to each
-        layer's pass: ``extra_rows(layer, h, meter)`` → :class:`ExtraRows` (through q, k, v), ``members(layer, LayerQKV)`` →
-        :class:`MemberRows` (through attention, o and the MLP) and ``after_layer(layer, out)``; or, with
-        ``features(layer, h, meter)`` → :class:`CachedFeatures`, restricts the layer's pass to some plan rows and
-        reuses the layer's cached outputs for the others. ``meter`` (optional) counts what the pass reads and
-        computes.
+        layer's pass: ``extra_rows(layer, h, meter)`` → :class:`ExtraRows` (through q, k, v),
+        ``members(layer, LayerQKV)`` → :class:`MemberRows` (through attention, o and the MLP) and
+        ``after_layer(layer, out)``; or, with ``features(layer, h, meter)`` → :class:`CachedFeatures`, restricts the
+        layer's pass to some plan rows and reuses the layer's cached outputs for the others. ``meter`` (optional)
+        counts what the pass reads and computes.
         """
         spec = self.spec
         meter = CostMeter() if meter is None else meter

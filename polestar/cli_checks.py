@@ -141,7 +141,8 @@ def split_policies(text: str) -> list[str]:
         raise UsageError(f"--policies is empty; name at least one of: {', '.join(policy_names())}")
     unknown = [p for p in policies if p not in policy_names()]
     if unknown:
-        raise UsageError(f"unknown policy {unknown[0]!r} in --policies; registered policies: {', '.join(policy_names())}")
+        raise UsageError(f"unknown policy {unknown[0]!r} in --policies; "
+                         f"registered policies: {', '.join(policy_names())}")
     repeated = sorted({p for p in policies if policies.count(p) > 1})
     if repeated:
         raise UsageError(f"--policies names {repeated[0]!r} twice; list each policy once")

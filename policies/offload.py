@@ -1,9 +1,10 @@
 """Offloaders (kind ``offload``): where stored window members live and how they are fetched back.
 
 The interface is by rows (:class:`~polestar.policies.row_store.RowStore`): ``alloc(like)`` allocates, once,
-storage for a tuple of leaves ``[B, N, ...]`` (initialized to ``like``'s values); ``read_rows(stored, rows [B, M], device)`` → leaves
-``[B, M, ...]`` on ``device``; ``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place.
-Rows are long indices along dim 1; a read or write never syncs the host with the device.
+storage for a tuple of leaves ``[B, N, ...]`` (initialized to ``like``'s values);
+``read_rows(stored, rows [B, M], device)`` → leaves ``[B, M, ...]`` on ``device``;
+``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place. Rows are long indices along dim 1; a
+read or write never syncs the host with the device.
 
 ``compilable``: whether ``read_rows`` / ``write_rows`` can be traced by ``torch.compile(fullgraph=True)`` (when
 False, every step of the pipeline runs eagerly: the step is compiled whole or not at all).

@@ -228,8 +228,8 @@ class PolestarBuildHook(LayerHook):
 
 class PolestarMembers(MemberStrategy):
     """Polestar's member choice at a sparse-update step (see the module docstring): query-only rows are the layer's
-    centroids; members are the window rows of the top drifting clusters, queries from the query store. ``local.due [B]``:
-    rows that update at this step (the others choose no member)."""
+    centroids; members are the window rows of the top drifting clusters, queries from the query store.
+    ``local.due [B]``: rows that update at this step (the others choose no member)."""
 
     wants_old = True
 

@@ -260,7 +260,8 @@ def tracked_tokens(local: ElasticState, member: torch.Tensor, track_num: int) ->
     return pos, tracked.gather(1, pos)
 
 
-def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor,
+                     key_valid: torch.Tensor) -> torch.Tensor:
     """Elastic-Cache's similarity: the cosine over heads of two attention distributions ``[B, H, K, T + 1]`` of the
     same tokens, averaged over the valid tokens (``valid [B, K]``) and keys (``key_valid [B, T + 1]``) → ``[B]``."""
     cos = F.cosine_similarity(old, now, dim=1, eps=1e-8)  # [B, K, T + 1]

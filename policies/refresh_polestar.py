@@ -15,12 +15,12 @@ at most the window; the highest-drifting clusters first when the chosen clusters
 through the layer with the block; their outputs (the update packet) overwrite their stored inputs and K/V at the
 next layer, and centroids shift by their members' change. A member's query is its stored one: a query changes
 only when its input does, and an input changes only by a packet, which re-projects it in the next layer's pass;
-so no layer's q weight is read twice in an update step. Updates run when the previous step committed more than ``tau_upd`` tokens or
-more than ``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the
-refreshed positions in the block's LM-head pass (:class:`~polestar.state.UpdatePacket`), which the engine hands to
-the commit rule as ``DecodeState.packet``; only a commit rule that reads it (Polestar-Commit) has the last layer
-recompute members at all (:meth:`PolestarRefresh.refreshes_layer`): with any other rule those rows would feed
-nothing. Per-generation state lives in a :class:`PolestarRefreshState`.
+so no layer's q weight is read twice in an update step. Updates run when the previous step committed more than
+``tau_upd`` tokens or more than ``tau_upd + 1`` were committed since the last update. The last layer's packet yields
+logits for the refreshed positions in the block's LM-head pass (:class:`~polestar.state.UpdatePacket`), which the
+engine hands to the commit rule as ``DecodeState.packet``; only a commit rule that reads it (Polestar-Commit) has
+the last layer recompute members at all (:meth:`PolestarRefresh.refreshes_layer`): with any other rule those rows
+would feed nothing. Per-generation state lives in a :class:`PolestarRefreshState`.
 
 This module is the selector (config, phase, plan, buffers); the per-layer work of a block start and of an update
 step is its hooks', in :mod:`polestar.policies.polestar_hooks` (which also gives the call path of one layer).

@@ -60,7 +60,8 @@ def make_window(block_start: int | torch.Tensor, block_length: int, shift: int, 
     return Window(positions, valid, prefix)
 
 
-def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int, trash: int) -> tuple[torch.Tensor, torch.Tensor]:
+def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int,
+                trash: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the chosen rows into a fixed-capacity buffer.
 
     ``member [B, N]`` bool, ``priority [B, N]`` (lower first; ties keep column order) → ``rows [B, capacity]`` long
@@ -153,10 +154,10 @@ class SparseUpdate(LayerHook):
     layer's q/k/v pass (:meth:`extra_rows`); the strategy picks members from what the pass shows it
     (:meth:`members`); their outputs become the next layer's packet (:meth:`after_layer`). ``evals [B]``: valid
     members per sequence, summed over layers (rows through the MLP, as ``token_layer_evals`` counts them; the
-    packet's K/V re-projection rides along as a query-only row). With ``strategy.wants_head`` the last layer's members are
-    exposed as ``head_rows [B, M, d]`` (with ``head_positions``, ``head_valid [B, M]``) for the LM head. ``ops``: the
-    model operations it runs (:class:`~polestar.models.layer_ops.LayerOps`: members' queries the strategy did not
-    give).
+    packet's K/V re-projection rides along as a query-only row). With ``strategy.wants_head`` the last layer's
+    members are exposed as ``head_rows [B, M, d]`` (with ``head_positions``, ``head_valid [B, M]``) for the LM head.
+    ``ops``: the model operations it runs (:class:`~polestar.models.layer_ops.LayerOps`: members' queries the
+    strategy did not give).
     """
 
     def __init__(self, strategy: MemberStrategy, ops: LayerOps, cache: DecodeCache, batch: int, device,

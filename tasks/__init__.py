@@ -2,7 +2,8 @@
 
 Registered tasks (see each module for the exact formats): ``arith``, ``countdown`` (3 sources),
 ``countdown4`` (4 sources), ``sudoku`` (4x4), ``copy``, ``reverse``, ``sort``, ``pick`` and ``parallel``
-(uniform mixture of the last four). Every prompt is ``task.format_prompt(input)`` = ``f"{tag}:{input}="`` right-padded with spaces to ``PROMPT_WIDTH`` (32).
+(uniform mixture of the last four). Every prompt is ``task.format_prompt(input)`` = ``f"{tag}:{input}="``
+right-padded with spaces to ``PROMPT_WIDTH`` (32).
 
 Example::
 

@@ -87,8 +87,8 @@ def shipped_models():
 
 @pytest.fixture
 def isolated_registry():
-    """Stage kinds, stages, policies and plugin modules (named ``hellinger*``, from docs/examples or from temporary files) a
-    test registers are removed afterwards (other tests see the built-ins)."""
+    """Stage kinds, stages, policies and plugin modules (named ``hellinger*``, from docs/examples or from temporary
+    files) a test registers are removed afterwards (other tests see the built-ins)."""
     stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
     kinds = dict(registry.KINDS)
     policies, origins = dict(policy._POLICIES), dict(policy._ORIGINS)

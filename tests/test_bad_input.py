@@ -181,7 +181,8 @@ def test_option_the_single_policy_lacks(capsys, no_work):
     code, line = run(capsys, [*BENCH, "--policies", "baseline,parallel", "--set", "topk=3"])
     assert code == 2 and "'topk'" in line
     args = build_parser().parse_args([*BENCH, "--policies", "baseline,parallel", "--set", "threshold=0.5"])
-    assert check_problem_args(args, {"threshold": 0.5}, {"gen_length": 16, "block_length": 8}) == ["baseline", "parallel"]
+    assert check_problem_args(args, {"threshold": 0.5},
+                              {"gen_length": 16, "block_length": 8}) == ["baseline", "parallel"]
 
 
 def test_option_of_wrong_type_names_key(capsys, no_work):

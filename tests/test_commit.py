@@ -32,7 +32,8 @@ def test_higher_threshold_commits_a_subset(conf, masked, t1, t2):
     masked = torch.tensor([masked])
     if not masked.any():
         return
-    pred = Prediction(torch.zeros(1, 6, dtype=torch.long), torch.tensor([conf], dtype=torch.float64), torch.zeros(1, 6, 4))
+    pred = Prediction(torch.zeros(1, 6, dtype=torch.long), torch.tensor([conf], dtype=torch.float64),
+                      torch.zeros(1, 6, 4))
     state = _state(batch=1, bl=6)
     for rule in (ThresholdCommit, PolestarCommit):
         extra = {} if rule is ThresholdCommit else {"min_confidence": 0.0}

@@ -1,4 +1,5 @@
-"""Backbones and their plan / cache paths against the naive per-layer forward of ``tests/reference.py``; strict\nHF-format loading."""
+"""Backbones and their plan / cache paths against the naive per-layer forward of ``tests/reference.py``; strict
+HF-format loading."""
 
 import json
 
@@ -129,7 +130,8 @@ def test_attention_probe_rows_sum_to_one_and_ignore_padding(model):
     from polestar.models.cost import CostMeter
     from polestar.models.layer_ops import LayerOps
 
-    q = LayerOps(model).project_queries(1, torch.randn(2, 3, model.spec.d_model), torch.tensor([[0, 4, 9]] * 2), CostMeter())
+    q = LayerOps(model).project_queries(1, torch.randn(2, 3, model.spec.d_model), torch.tensor([[0, 4, 9]] * 2),
+                                        CostMeter())
     proxy = model.attention_probs(q, cache.k[1], cache.key_valid)
     torch.testing.assert_close(proxy.sum(-1), torch.ones(2, model.spec.n_heads, 3))
 

@@ -142,8 +142,8 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
     tuned = tmp_path / "tuned"
     args = build_parser().parse_args([
         "--family", "llada", "--init", str(out), "--out", str(tuned), "--steps", "2", "--threads", "1",
-        "--batch", "4", "--tasks", "arith", "--facts-batch", "8", "--chain-facts", "4", "--prefix-frac", "0.5", "--eval-every", "0",
-        "--final-n", "0", "--no-progress",
+        "--batch", "4", "--tasks", "arith", "--facts-batch", "8", "--chain-facts", "4", "--prefix-frac", "0.5",
+        "--eval-every", "0", "--final-n", "0", "--no-progress",
     ])
     assert train(args)["model"].spec == model.spec
     with pytest.raises(ValueError, match="llada checkpoint but --family is dream"):

@@ -85,7 +85,8 @@ def expand_arguments(argv: list[str]) -> list[str]:
     """lm-eval arguments for ``polestar lm-eval argv``: ``--preset`` expanded, ``--model polestar`` by default,
     hyphenated long options (``--model-args``) spelled as lm-eval spells them (``--model_args``)."""
     name, argv = _pop_preset([_underscored(a) for a in argv])
-    if not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv) and argv[:1] not in (["ls"], ["validate"]):
+    if (not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv)
+            and argv[:1] not in (["ls"], ["validate"])):
         argv += ["--model", "polestar"]
     if name is None:
         return argv

@@ -153,7 +153,8 @@ def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: 
     if detail is not None:
         computed = tuple(_positions(detail.computed[layer][0][row], detail.computed[layer][1][row])
                          if layer in detail.computed else cols for layer, cols in enumerate(computed))
-        refreshed = {layer: _positions(pos[row], valid[row]) for layer, (pos, valid) in sorted(detail.refreshed.items())}
+        refreshed = {layer: _positions(pos[row], valid[row])
+                     for layer, (pos, valid) in sorted(detail.refreshed.items())}
         clusters = {layer: ClusterTrace(tuple(c.drift[row].tolist()), tuple(c.chosen[row].tolist()))
                     for layer, c in sorted(detail.clusters.items())}
         similarity = {layer: float(s[row]) for layer, s in sorted(detail.similarity.items())}
