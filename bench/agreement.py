@@ -131,7 +131,8 @@ def agree_cli(path_a: str, path_b: str, policy_a: str | None = None, policy_b: s
         try:
             run = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not a benchmark JSON ({err}); write one with `polestar bench ... --json`") from None
+            raise ValueError(f"{path} is not a benchmark JSON ({err}); "
+                             "write one with `polestar bench ... --json`") from None
         if not isinstance(run, dict) or not isinstance(run.get("items"), list):
             raise ValueError(f"{path} has no 'items' list; is it the output of `polestar bench ... --json`?")
         runs.append(run)

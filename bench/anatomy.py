@@ -31,9 +31,9 @@ import torch
 import polestar
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit
+from polestar.tasks import get_task
 
 from .harness import decode_batch, load_problems, optional_overrides, policy_label, summarize
-from .tasks import get_task
 
 BIN_LABELS = ("<0.5", "0.5-lower", "band", ">=tau")
 COMMIT_LABELS = ("confident", "top1_below_tau", "other_below_tau", "suffix")
@@ -115,7 +115,7 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
     GenerationConfig(**{k: v for k, v in decoding.items() if k not in ("compile", "on_step")})  # validate first
     pipelines = {name: polestar.assemble(name, optional_overrides(options)) for name in policies}
     model = polestar.load(model_name, dtype=dtype, device=device)
-    if getattr(model, "tokenizer", None) is None:
+    if model.tokenizer is None:
         raise ValueError(f"{model_name} has no tokenizer.json; task prompts and answers need one")
     problems = load_problems(task_name, n, data)
     out: dict[str, dict[str, float]] = {}

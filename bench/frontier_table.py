@@ -16,10 +16,10 @@ import argparse
 import json
 from pathlib import Path
 
-from polestar.bench.item_log import write_atomic
 from polestar.bench.plot_labels import place_labels
 from polestar.bench.run_files import result_files, run_base
 from polestar.bench.sweep_table import accuracy_cell
+from polestar.output_files import write_atomic
 
 #: markers of the single points, cycled (the colours follow matplotlib's cycle)
 MARKERS = ("s", "D", "^", "v", "P", "X", "<", ">", "p", "h")
@@ -47,7 +47,8 @@ def format_frontier(title: str, rows: list[dict]) -> str:
     head = f"{'policy':<16}{'options':<18}{'accuracy':>23}{'TPF':>7}{'evals/tok':>11}"
     lines = [title, head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['policy']:<16}{r['options'] or '-':<18}{accuracy_cell(r):>23}{r['tpf']:>7.2f}{r['evals']:>11.1f}")
+        lines.append(f"{r['policy']:<16}{r['options'] or '-':<18}{accuracy_cell(r):>23}"
+                     f"{r['tpf']:>7.2f}{r['evals']:>11.1f}")
     return "\n".join(lines)
 
 

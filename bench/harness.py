@@ -15,22 +15,18 @@ from polestar.bench.item_log import (
     ItemLog,
     Previous,
     check_previous,
-    check_writable,
     describe_settings,
     items_path,
-    write_atomic,
 )
 from polestar.bench.manifest import build_manifest, manifest_path
-from polestar.bench.tasks import get_task
-from polestar.bench.tasks.base import Problem, check_split_size, split
 from polestar.evaluation import distributed
 from polestar.models.loading import dtype_name
+from polestar.output_files import check_writable, write_atomic
 from polestar.overrides import Overrides
 from polestar.policy import Pipeline
-
-#: The most problems one bench run generates: every problem and record is held in memory (a larger evaluation
-#: is several runs, or ``--data`` files).
-MAX_PROBLEMS = 1_000_000
+from polestar.problems import check_problem_count, load_problems, progress_bar
+from polestar.tasks import get_task
+from polestar.tasks.base import Problem
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -42,58 +38,6 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def check_problem_count(task_name: str, n: int) -> None:
-    """ValueError, before any problem is generated, for ``n`` above :data:`MAX_PROBLEMS` or above what the task's
-    test split can hold distinctly (:func:`~polestar.bench.tasks.base.check_split_size`), naming the limit."""
-    if n > MAX_PROBLEMS:
-        raise ValueError(f"--n {n:,} is more than one bench run generates ({MAX_PROBLEMS:,}: every problem is held "
-                         "in memory); split the evaluation into several runs or pass --data files")
-    check_split_size(get_task(task_name), n, "test")
-
-
-def load_problems(task_name: str, n: int, data: str | None = None, seed: int = 0,
-                  show_progress: bool = False) -> list[Problem]:
-    """``n`` test problems of ``task_name`` (generated; with ``show_progress`` a progress bar on stderr), or the
-    first ``n`` records of a JSONL ``data`` file with ``{"input": ..., "output": ...}`` (Dream's Countdown /
-    Sudoku evaluation layout)."""
-    if data is None:
-        check_problem_count(task_name, n)
-        bar = _progress(n, show_progress, desc="problems")
-        if bar is None:
-            return split(get_task(task_name), n, "test", seed)
-        with bar:
-            return split(get_task(task_name), n, "test", seed, progress=lambda k: bar.update(1))
-    path = Path(data)
-    if not path.is_file():
-        raise FileNotFoundError(f"--data file {data} does not exist")
-    from polestar.cli_checks import utf8_lines
-
-    task = get_task(task_name)
-    problems = []
-    for lineno, line in utf8_lines(path):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{data}:{lineno}: not valid JSON ({err.msg}, column {err.colno}); each line must be one "
-                             'object like {"input": "3+4*2", "output": "..."}') from None
-        if not isinstance(rec, dict) or "input" not in rec:
-            raise ValueError(f"{data}:{lineno}: record has no 'input' field; each line must be one object like "
-                             '{"input": "3+4*2", "output": "..."}')
-        try:
-            task.validate_input(str(rec["input"]))
-        except ValueError as err:
-            raise ValueError(f"{data}:{lineno}: {err}") from None
-        problems.append(Problem(task_name, str(rec["input"]), str(rec.get("output", ""))))
-        if len(problems) >= n:
-            break
-    if not problems:
-        raise ValueError(f"{data} holds no records; each line must be one object like "
-                         '{"input": "3+4*2", "output": "..."}')
-    return problems
 
 
 #: Fields of a bench item in the ``--json`` output (``error``: why decoding stopped early, e.g. non-finite logits,
@@ -348,7 +292,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     starts = list(range(0, len(problems), batch_size))
     mine = [starts[b] for b in distributed.shard(len(starts), rank, world_size)]
     items, summary = [], {}
-    bar = _progress(sum(len(problems[s : s + batch_size]) for s in mine) * len(policies), show_progress and rank == 0)
+    bar = progress_bar(sum(len(problems[s : s + batch_size]) for s in mine) * len(policies), show_progress and rank == 0)
     for name in policies:
         opts = optional_overrides(options)
         local = []
@@ -428,16 +372,6 @@ def _accepts(policy: str, key: str, value: Any, options: dict[str, Any]) -> bool
     except ValueError:
         return False
     return True
-
-
-def _progress(total: int, show: bool, desc: str = "bench"):
-    if not show:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the bench/test extras
-        return None
-    return tqdm(total=total, desc=desc, unit="problem")
 
 
 def check_run_args(policies: list[str], n: int, batch_size: int) -> None:

@@ -9,14 +9,13 @@ decoding, options, batch size, dtype, device). Before any work :func:`check_prev
 there: ``--resume`` reuses their items when the headers equal this run's settings (else a usage error naming the
 settings that differ); without ``--resume`` finished items are a usage error offering ``--resume`` or
 ``--overwrite``; ``--overwrite`` moves the old files aside (``*.old-<time>``) and starts over. A line cut short by a
-kill is ignored. Summaries and plots are written whole or not at all (:func:`write_atomic`).
+kill is ignored. Summaries and plots are written whole or not at all (:func:`~polestar.output_files.write_atomic`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -129,7 +128,8 @@ def check_previous(json_out: str | Path, header: dict[str, Any], resume: bool, o
     header = canonical(header)
     if resume:
         if prev.paths and prev.header != header:
-            settings = settings_diff(*({k: v for k, v in h.items() if k != PLUGINS} for h in (prev.header or {}, header)))
+            settings = settings_diff(*({k: v for k, v in h.items() if k != PLUGINS}
+                                       for h in (prev.header or {}, header)))
             if settings:
                 raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
                                  f"({'; '.join(settings)}); rerun with the same settings, or pass --overwrite "
@@ -200,60 +200,3 @@ class ItemLog:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _umask() -> int:
-    """The process's file-creation mask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: str | Path, data: str | bytes | None = None, writer=None) -> None:
-    """Write ``path`` whole or not at all: into a temporary file in the same folder (``data``, or ``writer(tmp)``
-    for a file another library writes, e.g. a plot), flushed, then renamed over ``path``. The file gets the
-    permissions any tool's new file gets (``0o666`` less the umask, e.g. group- and world-readable under the usual
-    022), not the owner-only mode of a temporary file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp" + path.suffix)
-    os.chmod(tmp, 0o666 & ~_umask())
-    try:
-        if writer is None:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data.encode() if isinstance(data, str) else data)
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            os.close(fd)
-            writer(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def check_writable(paths: list[str | Path | None]) -> None:
-    """Raise one ValueError naming every output path that cannot be written (missing folder, no permission, a
-    folder in the way, a file system that refuses new files such as /proc), before any work starts: a file is
-    created and removed in each folder to find out."""
-    bad = []
-    for p in paths:
-        if p is None:
-            continue
-        path = Path(p)
-        parent = path.parent if str(path.parent) else Path(".")
-        if path.is_dir():
-            bad.append(f"{path} is a folder")
-        elif not parent.is_dir():
-            bad.append(f"{path}: folder {parent} does not exist")
-        elif path.exists() and not os.access(path, os.W_OK):
-            bad.append(f"{path} is not writable")
-        else:
-            try:
-                fd, probe = tempfile.mkstemp(dir=parent, prefix=".polestar-probe-")
-                os.close(fd)
-                os.unlink(probe)
-            except OSError as err:
-                bad.append(f"{path}: cannot create files in {parent} ({err.strerror or err})")
-    if bad:
-        raise ValueError("cannot write the outputs: " + "; ".join(bad) + " (create the folder or pick another path)")

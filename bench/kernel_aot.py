@@ -364,9 +364,9 @@ def extra_launches(model: str, batch: int = 1, block: int = 32) -> list[Launch]:
 class CompiledKernel:
     """One specialisation of a kernel compiled for ``sm_<arch>``: registers per thread, spilled registers (local
     memory bytes / 4, the figure ``triton.compiler.CompiledKernel.n_spills`` reports on a GPU), shared memory per
-    program requested at launch (bytes), warps, the signature, constexprs and arguments specialised as multiples of 16 (pointers aligned to 16
-    bytes) that Triton's binder gave, compile seconds
-    (about 0 when Triton's cache had it) and the sites that launch it."""
+    program requested at launch (bytes), warps, the signature, constexprs and arguments specialised as multiples of
+    16 (pointers aligned to 16 bytes) that Triton's binder gave, compile seconds (about 0 when Triton's cache had
+    it) and the sites that launch it."""
 
     kernel: str
     arch: int

@@ -1,12 +1,13 @@
 """The manifest of a benchmark run: what produced it, written beside its results.
 
 ``polestar bench --json OUT.json`` writes ``OUT.manifest.json`` (named from the whole output name:
-:func:`~polestar.bench.run_files.manifest_path`) before it decodes anything and copies it into ``OUT.json`` under ``"manifest"``: the package version, the git commit of the checkout the package runs from
-(when it runs from one), the torch and Python versions, the device, the number of torch threads, every setting
-of the run (model, task, problems, decoding, ``--set`` options, batch size, dtype, policies with their labels) and
-the sha256 digest of every plugin's source file (``"plugins"``: stages from outside the package; not compared by
-``agree``, which compares runs with and without a plugin stage). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and refuses runs that differ in
-more than the one setting being compared.
+:func:`~polestar.bench.run_files.manifest_path`) before it decodes anything and copies it into ``OUT.json`` under
+``"manifest"``: the package version, the git commit of the checkout the package runs from (when it runs from one),
+the torch and Python versions, the device, the number of torch threads, every setting of the run (model, task,
+problems, decoding, ``--set`` options, batch size, dtype, policies with their labels) and the sha256 digest of every
+plugin's source file (``"plugins"``: stages from outside the package; not compared by ``agree``, which compares runs
+with and without a plugin stage). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and
+refuses runs that differ in more than the one setting being compared.
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ import torch
 
 import polestar
 from polestar.bench.harness import si
-from polestar.bench.item_log import write_atomic
 from polestar.models.loading import resolve_dtype
 from polestar.models.published import published_model
+from polestar.output_files import write_atomic
 
 ENV_PREFIX = "POLESTAR_RW_"
 #: the narrow width of ``POLESTAR_RW_WIDTH=tiny``
@@ -175,7 +175,8 @@ class StepTimer:
     """``on_step`` observer that records the wall time of each step (waits for the device first)."""
 
     def __init__(self, device: torch.device):
-        self.sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self.sync: Callable[[], None] = ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda"
+                                         else (lambda: None))
         self.marks: list[float] = []
 
     def start(self) -> None:
@@ -285,7 +286,8 @@ def _cell_text(result: dict[str, Any], key: str, fmt: Callable[[float], str]) ->
     if r is None:
         return value
     spread = result.get(f"{key}_ratio_std")
-    return value + (f" ({r:.2f}±{spread:.2f}×)" if spread is not None and result.get("rounds", 1) > 1 else f" ({r:.2f}×)")
+    return value + (f" ({r:.2f}±{spread:.2f}×)" if spread is not None and result.get("rounds", 1) > 1
+                    else f" ({r:.2f}×)")
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:

@@ -176,7 +176,8 @@ def render(page_text: str | None, results_dir: Path = RESULTS, plots: bool = Tru
     for f, res in zip(files, results):
         thr = threshold(res)
         title = f"{res['model']} / {res['task']} / n={res['n']} / threshold {thr}"
-        parts.append(f"## {res['model']} — {res['task']} (threshold {thr})\n\n```\n{format_table(res['summary'], title)}\n```\n")
+        parts.append(f"## {res['model']} — {res['task']} (threshold {thr})\n\n"
+                     f"```\n{format_table(res['summary'], title)}\n```\n")
         if len(res["summary"]) > 1:
             png = results_dir / f"{table_name(f)}.png"
             if plots:

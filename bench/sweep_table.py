@@ -1,9 +1,9 @@
 """One table from a ``bench/run_sweep.sh`` directory: ``python bench/sweep_table.py runs/sweep/tiny-llada-sudoku``.
 
 ``reference.json`` holds the reference policies (``fast-dllm``, ``elastic-cache``, ...); every other ``*.json``
-is one ``polestar-cache`` run, labelled by its file name (the runs' ``*.manifest.json`` are not runs), with its ``--set`` options. Rows give accuracy with
-its 95% interval, token-layer evaluations per generated token, their ratio to ``fast-dllm``'s, and the accuracy
-difference to ``fast-dllm`` and to ``elastic-cache``.
+is one ``polestar-cache`` run, labelled by its file name (the runs' ``*.manifest.json`` are not runs), with its
+``--set`` options. Rows give accuracy with its 95% interval, token-layer evaluations per generated token, their
+ratio to ``fast-dllm``'s, and the accuracy difference to ``fast-dllm`` and to ``elastic-cache``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def sweep_rows(reference: dict, runs: dict[str, dict]) -> list[dict]:
             "name": name, "options": opts, "accuracy": s["accuracy"], "ci": s["accuracy_ci95"],
             "evals": s["token_layer_evals_per_token"],
             "evals_ratio": s["token_layer_evals_per_token"] / fast["token_layer_evals_per_token"],
-            "vs_fast": 100 * (s["accuracy"] - fast["accuracy"]), "vs_elastic": 100 * (s["accuracy"] - elastic["accuracy"]),
+            "vs_fast": 100 * (s["accuracy"] - fast["accuracy"]),
+            "vs_elastic": 100 * (s["accuracy"] - elastic["accuracy"]),
         })
     return rows
 

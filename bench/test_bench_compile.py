@@ -9,9 +9,9 @@ timed rounds); each timed round is one generation of the same prompts, 64 tokens
 import pytest
 
 import polestar
-from polestar.bench.tasks import get_task
-from polestar.bench.tasks.base import split
 from polestar.policy import policy_names
+from polestar.tasks import get_task
+from polestar.tasks.base import split
 
 PROBLEMS = split(get_task("arith"), 16, "test", 0)
 PROMPTS = [get_task("arith").format_prompt(p.input) for p in PROBLEMS]

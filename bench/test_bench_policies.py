@@ -5,7 +5,7 @@ docs/performance.md, "Counters") go to ``extra_info`` so methods compare as rati
 import pytest
 
 from polestar.bench.harness import load_problems, run_policy
-from polestar.bench.tasks import get_task
+from polestar.tasks import get_task
 
 POLICIES = ["baseline", "parallel", "fast-dllm", "elastic-cache", "polestar-cache", "polestar-commit", "polestar"]
 TASKS = ["arith", "sudoku"]

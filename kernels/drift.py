@@ -138,8 +138,9 @@ def reference_cosine_drift(p: Tensor, q: Tensor) -> Tensor:
 def reference_entropy(logits: Tensor) -> Tensor:
     """Entropy ``H = -sum_n s_n log s_n`` of ``s = softmax(logits)`` over the last dim (torch).
 
-    Method: the "uncertainty" selection metric of the paper's ablation (also the EB-sampler
-    commit rule).  Computed stably as ``log S - sum(e z) / S`` with ``z = x - max x``,
+    Method: the "uncertainty" selection metric of the paper's ablation (the ``entropy`` drift metric,
+    over attention rows; the EB-sampler commit rule's token entropies are computed apart, from the
+    model's log-probabilities).  Computed stably as ``log S - sum(e z) / S`` with ``z = x - max x``,
     ``e = exp z``, ``S = sum e``; ``-inf`` logits contribute 0 and an all ``-inf`` row gives 0.
     ``+inf`` / NaN logits are not supported.
 

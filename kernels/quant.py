@@ -1,7 +1,7 @@
 """Quantization of cluster residuals: NVFP4 (paper default), per-row FP8 and identity.
 
-Polestar (Lee et al., 2026, "Polestar: Drift-Aware Cache Calibration and Token Commitment") stores each cluster member as its residual
-``member - centroid`` quantized to NVFP4 to keep the cache small.  NVFP4 (NVIDIA Blackwell
+Polestar (Lee et al., 2026, "Polestar: Drift-Aware Cache Calibration and Token Commitment") stores each cluster
+member as its residual ``member - centroid`` quantized to NVFP4 to keep the cache small.  NVFP4 (NVIDIA Blackwell
 format; conventions as in torchao ``prototype/mx_formats/nvfp4_tensor.py``) is two-level:
 
 * fp32 global scale ``g = amax(|x|) / (448 * 6)`` (``g = 1`` for an all-zero tensor), either one per

@@ -1,7 +1,8 @@
 """Plan-executing masked-diffusion transformer shared by the LLaDA and Dream families.
 
 The family modules (``llada.py``, ``dream.py``) only lay out parameters under the real checkpoint names and
-expose them through the accessors used here (``layer_parts``); all compute lives in this file.
+expose them through the accessors used here (``layer_parts``); all compute of the pass lives in this file (the
+projections a layer hook runs on rows of its own are in :class:`~polestar.models.layer_ops.LayerOps`).
 """
 
 from __future__ import annotations
@@ -197,11 +198,11 @@ class DiffusionLM(nn.Module):
         one pass over the layer's weights (see :meth:`layer_step`).
 
         ``hook`` (optional, a sparse-update controller, :class:`~polestar.models.hooks.LayerHook`) adds rows to each
-        layer's pass: ``extra_rows(layer, h, meter)`` → :class:`ExtraRows` (through q, k, v), ``members(layer, LayerQKV)`` →
-        :class:`MemberRows` (through attention, o and the MLP) and ``after_layer(layer, out)``; or, with
-        ``features(layer, h, meter)`` → :class:`CachedFeatures`, restricts the layer's pass to some plan rows and
-        reuses the layer's cached outputs for the others. ``meter`` (optional) counts what the pass reads and
-        computes.
+        layer's pass: ``extra_rows(layer, h, meter)`` → :class:`ExtraRows` (through q, k, v),
+        ``members(layer, LayerQKV)`` → :class:`MemberRows` (through attention, o and the MLP) and
+        ``after_layer(layer, out)``; or, with ``features(layer, h, meter)`` → :class:`CachedFeatures`, restricts the
+        layer's pass to some plan rows and reuses the layer's cached outputs for the others. ``meter`` (optional)
+        counts what the pass reads and computes.
         """
         spec = self.spec
         meter = CostMeter() if meter is None else meter
@@ -252,34 +253,6 @@ class DiffusionLM(nn.Module):
         slot = index[:, None, :, None].expand(-1, self.spec.n_kv_heads, -1, self.spec.head_dim)
         cache.k[layer].scatter_(2, slot, k)
         cache.v[layer].scatter_(2, slot, v)
-
-    def project_queries(self, layer: int, h: torch.Tensor, positions: torch.Tensor | None,
-                        meter: CostMeter) -> torch.Tensor:
-        """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]`` (None: no RoPE, the
-        queries as at position 0): a pass over the layer's q weight of its own (a hook that needs queries it could not
-        ride along the layer's pass)."""
-        spec = self.spec
-        parts = self.layer_parts(layer)
-        B, X, _ = h.shape
-        meter.weight(parts.attn_norm.weight)
-        meter.linear(parts.q)
-        meter.rows(probe_rows=B * X)
-        q = parts.q(parts.attn_norm(h)).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
-        if positions is None:
-            return q
-        cos, sin = self.rotary.cos_sin(positions)
-        return Rotary.apply(q, cos, sin)
-
-    def project_values(self, layer: int, h: torch.Tensor, meter: CostMeter) -> torch.Tensor:
-        """Values ``[B, Hkv, X, hd]`` of inputs ``h [B, X, d]``: a pass over the layer's v weight of its own, its rows
-        counted as probe rows (a hook that compares values before it picks the rows the layer recomputes)."""
-        spec = self.spec
-        parts = self.layer_parts(layer)
-        B, X, _ = h.shape
-        meter.weight(parts.attn_norm.weight)
-        meter.linear(parts.v)
-        meter.rows(probe_rows=B * X)
-        return parts.v(parts.attn_norm(h)).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
 
     def layer_step(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook: LayerHook | None,
                    meter: CostMeter):

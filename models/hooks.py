@@ -3,7 +3,8 @@
 The backbone (:meth:`polestar.models.backbone.DiffusionLM.run_plan`) calls a hook three times per layer; a refresh
 selector makes one hook per step for sparse updates (Polestar's update packets, Elastic-Cache's members). The
 protocol lives with the model so the backbone can type the argument it calls; the core's stage base class
-:class:`polestar.stages.LayerHook` is this protocol with do-nothing defaults.
+:class:`polestar.stages.LayerHook` is this protocol with do-nothing defaults. A hook holds no model: what it runs on
+the model's weights goes through the :class:`~polestar.models.layer_ops.LayerOps` view its selector gives it.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ class LayerHook(Protocol):
 
     Attributes read after the pass: ``evals`` ``[B]`` long, positions of each sequence the hook computed (counted
     as that sequence's compute; with feature caching, the rows the layers recomputed minus the plan rows, which
-    the engine counts as computed at every layer); ``head_rows`` ``[B, M, d]`` last-layer rows that want logits with the block's (an
-    update packet), with ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False when the hook
-    decides on the host (the step then runs eagerly).
+    the engine counts as computed at every layer); ``head_rows`` ``[B, M, d]`` last-layer rows that want logits with
+    the block's (an update packet), with ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False
+    when the hook decides on the host (the step then runs eagerly).
     """
 
     compilable: bool = True

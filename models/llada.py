@@ -2,8 +2,8 @@
 
 Tensor names (LLaDA-8B): ``model.transformer.wte.weight``, ``model.transformer.blocks.{i}.{q_proj,k_proj,v_proj,
 attn_out,ff_proj,up_proj,ff_out,attn_norm,ff_norm}.weight``, ``model.transformer.ln_f.weight``,
-``model.transformer.ff_out.weight`` (absent with ``weight_tying``). SwiGLU MLP ``ff_out(silu(ff_proj(x)) * up_proj(x))``,
-half-split RoPE, RMSNorm, bidirectional attention.
+``model.transformer.ff_out.weight`` (absent with ``weight_tying``). SwiGLU MLP
+``ff_out(silu(ff_proj(x)) * up_proj(x))``, half-split RoPE, RMSNorm, bidirectional attention.
 """
 
 from __future__ import annotations

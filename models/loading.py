@@ -73,7 +73,8 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 def read_config(directory: Path) -> dict[str, Any]:
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json; a Hugging Face-format checkpoint directory is expected")
+        raise FileNotFoundError(f"{directory} has no config.json; "
+                                "a Hugging Face-format checkpoint directory is expected")
     try:
         return json.loads(cfg_path.read_text())
     except json.JSONDecodeError as err:
@@ -114,7 +115,8 @@ def tensor_entries(directory: Path) -> dict[str, TensorEntry]:
     if single.is_file():
         return read_header(single)
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
-        raise ValueError(f"{directory} holds only pickled weights (*.bin/*.pt), which polestar never loads; convert them to safetensors")
+        raise ValueError(f"{directory} holds only pickled weights (*.bin/*.pt), which polestar never loads; "
+                         "convert them to safetensors")
     raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
 
 
@@ -218,15 +220,16 @@ def tensor_problems(expected: dict[str, tuple[int, ...]], entries: dict[str, Ten
     return problems
 
 
-def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DiffusionLM:
+def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None,
+               device: str | torch.device = "cpu") -> DiffusionLM:
     """Load an LLaDA or Dream checkpoint directory strictly: every parameter present with its exact shape.
 
     ``dtype`` None: config.json's ``torch_dtype``, else the dtype of most of the weights' bytes as the safetensors
-    headers state it (:func:`choose_dtype`; with mixed dtypes one warning line says which). The model is built on the meta device, allocated once in
-    its final dtype on ``device``, and each tensor is read from its shard straight into its parameter (see
-    :func:`polestar.models.safetensors_io.read_into`), shard by shard: host memory stays near the weights' size.
-    Raises one error naming every missing, unexpected or mis-shaped tensor, before any weight is read. The
-    tokenizer, when present, is attached as ``model.tokenizer`` (see :func:`attach_text`).
+    headers state it (:func:`choose_dtype`; with mixed dtypes one warning line says which). The model is built on
+    the meta device, allocated once in its final dtype on ``device``, and each tensor is read from its shard
+    straight into its parameter (see :func:`polestar.models.safetensors_io.read_into`), shard by shard: host memory
+    stays near the weights' size. Raises one error naming every missing, unexpected or mis-shaped tensor, before any
+    weight is read. The tokenizer, when present, is attached as ``model.tokenizer`` (see :func:`attach_text`).
     """
     directory = resolve_checkpoint(path_or_name)
     cfg = read_config(directory)
@@ -257,7 +260,8 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None,
             with open(file, "rb", buffering=0) as f:
                 for name in members:
                     read_into(f, entries[name], state[name].data)
-    model.rotary.inv_freq = (1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))).to(device)
+    model.rotary.inv_freq = (1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32)
+                                                        / spec.head_dim))).to(device)
     model.eval()
     attach_text(model, directory)
     model.name_or_path = str(directory)

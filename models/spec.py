@@ -26,7 +26,8 @@ def config_field(cfg: dict[str, Any], key: str, kind: str, default: Any = None) 
     if value is None:
         return default
     if kind == "integer":
-        ok = not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
+        ok = not isinstance(value, bool) and (isinstance(value, int)
+                                              or (isinstance(value, float) and value.is_integer()))
         value = int(value) if ok else value
     elif kind == "number":
         ok = not isinstance(value, bool) and isinstance(value, (int, float))

@@ -107,7 +107,8 @@ def _check_tokenizer_json(path: Path) -> None:
     try:
         Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for malformed files
-        raise ValueError(f"{path} is not a valid tokenizer file ({err}); restore it from the published checkpoint") from err
+        raise ValueError(f"{path} is not a valid tokenizer file ({err}); "
+                         "restore it from the published checkpoint") from err
 
 
 def text_defaults(directory: Path, tokenizer, config_eos: int) -> TextDefaults:

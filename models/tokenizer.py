@@ -1,4 +1,4 @@
-"""Character-level Hugging Face tokenizer for the synthetic task suite (``polestar.bench.tasks``).
+"""Character-level Hugging Face tokenizer for the synthetic task suite (``polestar.tasks``).
 
 Vocabulary layout (ids are fixed, so checkpoints stay compatible):
 

@@ -83,7 +83,7 @@ def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system:
         if len(prompts) == 0:
             raise ValueError("empty batch: pass at least one prompt")
         if all(isinstance(p, str) for p in prompts):
-            tok = getattr(model, "tokenizer", None)
+            tok = model.tokenizer
             if tok is None:
                 raise ValueError("string prompts need a checkpoint with tokenizer files (tokenizer.json or "
                                  "tokenizer_config.json); pass token ids instead")
@@ -151,7 +151,7 @@ def length_defaults(model: DiffusionLM) -> dict[str, int]:
 
 def _task_prompts(task: str, prompts: Any) -> list[str]:
     """Each string prompt in ``task``'s prompt layout (ValueError naming the task and the bad prompt)."""
-    from polestar.bench.tasks import get_task
+    from polestar.tasks import get_task
 
     fmt = get_task(task).format_prompt
     if isinstance(prompts, str):
@@ -203,7 +203,7 @@ def generate(
     ``gen_length`` / ``block_length`` None take the settings of the published checkpoint's preset when the model
     was loaded from one (recognised from its config.json, as ``polestar generate`` does), else
     :data:`DEFAULT_LENGTHS`, with the generation length capped at half the model's context. ``task`` (a task of
-    ``polestar.bench.tasks``, e.g. ``"arith"``) formats each string prompt with the task's prompt layout, as
+    ``polestar.tasks``, e.g. ``"arith"``) formats each string prompt with the task's prompt layout, as
     ``polestar generate --task`` does: ``generate(model, ["3+4*2-5"], task="arith")``.
     """
     # threshold: an optional generic option, ignored by policies without it; an explicit option wins over it
@@ -249,7 +249,7 @@ def generate(
     if compile:  # report compile time apart: wall_s (and so tps) count decoding only
         spent = compile_seconds() - compiled_before
         stats = attrs.evolve(stats, compile_s=spent, wall_s=max(stats.wall_s - spent, 0.0))
-    tok = getattr(model, "tokenizer", None)
+    tok = model.tokenizer
     texts = None if tok is None else decode_texts(tok, tokens[:, ids.shape[1] :].tolist(), stop_ids)
     prompt_ids = [row[m].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
     return GenerationOutput(tokens, texts, stats, ids.shape[1], pipeline, prompt_ids)

@@ -1,5 +1,6 @@
-"""Command line: ``polestar generate``, ``polestar policies``, ``polestar bench``, ``polestar agree``,
-``polestar anatomy``, ``polestar trace``, ``polestar lm-eval``.
+"""Command line: ``polestar generate``, ``polestar policies``, ``polestar trace``, ``polestar lm-eval``, and the
+subcommands other packages register in the ``polestar.commands`` entry-point group (:func:`add_commands`): the
+benchmark's ``polestar bench``, ``polestar agree`` and ``polestar anatomy``.
 
 Bad input is answered before any work with one ``error: ...`` line naming the problem and the fix (exit code 2);
 a failure while working is one line too (exit code 1); ``--debug`` adds the traceback. The checks live in
@@ -59,13 +60,13 @@ def _package_version() -> str:
         return __version__
 
 
-def _add_plugin_arg(p: argparse.ArgumentParser) -> None:
+def add_plugin_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
                    help="import a module (dotted name) or a .py file that registers stages or policies before the "
                         "command runs (repeatable; see polestar.plugins)")
 
 
-def _add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
+def add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     if policy:
         p.add_argument("--policy", default="fast-dllm", help="policy name (see `polestar policies`)")
     else:  # bench / anatomy take --policies; a --policy is answered with a pointer to it, never ignored
@@ -86,26 +87,13 @@ def _add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile each step with torch.compile (compile time is reported apart from TPS)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
-    _add_plugin_arg(p)
+    add_plugin_arg(p)
 
 
 def decoding_from_args(args) -> dict[str, Any]:
-    """The keyword arguments of :func:`polestar.generate` set by :func:`_add_decoding_args` (less dtype/device)."""
+    """The keyword arguments of :func:`polestar.generate` set by :func:`add_decoding_args` (less dtype/device)."""
     return dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                 temperature=args.temperature, seed=args.seed, stop_at_eos=args.stop_at_eos, compile=args.compile)
-
-
-def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_size: int) -> None:
-    """Model, task, policies and problems of `bench` and `anatomy`."""
-    p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--task", default="arith")
-    p.add_argument("--policies", default=policies, help="comma-separated policy names")
-    p.add_argument("--n", "--num-problems", dest="n", type=int, default=n,
-                   help="number of problems (write --num-problems under torchrun, whose parser takes --n for its own)")
-    p.add_argument("--batch-size", type=int, default=batch_size)
-    p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
-    p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
-    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
 
 def _check_policy(policy: str, sets: Overrides) -> None:
@@ -316,44 +304,6 @@ def cmd_policies(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from polestar.bench.harness import run_bench_cli
-
-    return run_bench_cli(args, parse_sets(args.set), decoding_from_args(args))
-
-
-def cmd_agree(args) -> int:
-    from polestar.bench.agreement import agree_cli
-
-    if (args.policy_a is None) != (args.policy_b is None):
-        raise UsageError("--policy-a and --policy-b go together; give both or neither")
-    return agree_cli(args.a, args.b, args.policy_a, args.policy_b, args.allow_differences)
-
-
-def cmd_anatomy(args) -> int:
-    from polestar.bench.anatomy import commit_anatomy, format_anatomy
-    from polestar.bench.harness import check_problem_args
-    from polestar.bench.item_log import check_writable, write_atomic
-
-    sets = parse_sets(args.set)
-    decoding = decoding_from_args(args)
-    policies = check_problem_args(args, sets, decoding)
-    check_writable([args.json_out])
-    from polestar.inspection import announce_model
-
-    announce_model(args.model, args.dtype)
-    with working("anatomy"):
-        result = commit_anatomy(args.model, args.task, policies, args.n, sets, decoding, args.batch_size, args.data,
-                                args.dtype, args.device)
-    title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
-    if sets:  # the overrides belong in the title, as in bench's
-        title += " / set " + " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sorted(sets.items()))
-    print(format_anatomy(result, title))
-    if args.json_out:
-        write_atomic(args.json_out, json.dumps(result, indent=1))
-    return 0
-
-
 def cmd_trace(args) -> int:
     from polestar.tracing.cli import run_trace_cli
 
@@ -375,6 +325,21 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+#: Entry-point group of the subcommands other packages add to ``polestar``: each entry is a function that takes
+#: argparse's subparsers and adds its subparser with a ``func`` default (the benchmark adds ``bench``, ``anatomy``
+#: and ``agree`` this way, :mod:`polestar.bench.commands`).
+COMMANDS_GROUP = "polestar.commands"
+
+
+def add_commands(sub) -> None:
+    """Add the subcommands registered under :data:`COMMANDS_GROUP`, so the command line imports no package that
+    contributes one."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=COMMANDS_GROUP):
+        entry.load()(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="polestar", description="Fast decoding for diffusion language models")
     parser.add_argument("--version", action="version", version=f"polestar {_package_version()}")
@@ -389,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system turn before the prompt (with --chat)")
     g.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (default 32)")
     g.add_argument("--quiet", action="store_true", help="no progress lines on stderr (shown when >1 batch)")
-    _add_decoding_args(g)
+    add_decoding_args(g)
     g.add_argument("--preset", default="auto",
                    help="decoding settings of a published model (see `polestar presets`); 'auto' picks one from the "
                         "checkpoint's config.json when it is a published model, 'none' never; flags override it")
@@ -409,38 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("policies", help="list policies and stages with their options")
     p.add_argument("--json", action="store_true")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    _add_plugin_arg(p)
+    add_plugin_arg(p)
     p.set_defaults(func=cmd_policies)
-    b = sub.add_parser("bench", help="accuracy / throughput of policies on a task")
-    _add_problem_args(b, "baseline,parallel,fast-dllm", n=200, batch_size=1)
-    b.add_argument("--plot", default=None, metavar="OUT.png")
-    b.add_argument("--profile", action="store_true", help="report the share of step time per stage")
-    b.add_argument("--resume", action="store_true",
-                   help="reuse the finished items of an interrupted run with the same settings (kept beside --json "
-                        "in OUT.items.jsonl)")
-    b.add_argument("--overwrite", action="store_true",
-                   help="start over although OUT.items.jsonl holds finished items (the old files are kept beside "
-                        "the new ones as *.old-<time>)")
-    _add_decoding_args(b, policy=False)
-    b.set_defaults(func=cmd_bench)
-    an = sub.add_parser("anatomy", help="where a policy's commits come from, by confidence (diagnostic)")
-    _add_problem_args(an, "fast-dllm,polestar", n=100, batch_size=50)
-    _add_decoding_args(an, policy=False)
-    an.set_defaults(func=cmd_anatomy)
+    add_commands(sub)  # bench, anatomy, agree: see add_commands
     tr = sub.add_parser("trace", help="draw what one or two policies did, step by step, for one prompt (HTML + PNG)")
     add_trace_args(tr)
-    _add_decoding_args(tr, policy=False)
+    add_decoding_args(tr, policy=False)
     tr.set_defaults(func=cmd_trace)
-    a = sub.add_parser("agree", help="token mismatch between two `polestar bench --json` runs of the same problems")
-    a.add_argument("a", metavar="A.json")
-    a.add_argument("b", metavar="B.json")
-    a.add_argument("--policy-a", help="compare only this policy of A ... (needs --policy-b)")
-    a.add_argument("--policy-b", help="... with this policy of B")
-    a.add_argument("--allow-differences", action="store_true",
-                   help="compare runs whose manifests differ in more than one setting")
-    a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    _add_plugin_arg(a)
-    a.set_defaults(func=cmd_agree)
     # `polestar lm-eval ...` is dispatched in main() before this parser: every argument goes to lm-eval untouched
     sub.add_parser("lm-eval", add_help=False,
                    help="lm-evaluation-harness with the polestar model registered (takes lm-eval's arguments, "
@@ -449,18 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def interrupted_line(args) -> str:
-    """What Ctrl-C left behind and how to continue: a ``bench --json`` run keeps its finished items for
-    ``--resume``; any other command has nothing to continue."""
-    json_out = getattr(args, "json_out", None)
-    if getattr(args, "command", None) != "bench":
-        return "interrupted"
-    if not json_out:
-        return ("interrupted; nothing was kept (with --json OUT.json a bench keeps its finished items, and --resume "
-                "continues it)")
-    from polestar.bench.item_log import all_items_paths
-
-    kept = ", ".join(str(p) for p in all_items_paths(json_out)) or "no items file yet"
-    return f"interrupted; finished items are kept ({kept}): rerun the same command with --resume to continue"
+    """What Ctrl-C left behind and how to continue: a command that keeps its work says so through its parser's
+    ``on_interrupt`` default (``bench --json`` keeps its finished items for ``--resume``); any other command has
+    nothing to continue."""
+    on_interrupt = getattr(args, "on_interrupt", None)
+    return "interrupted" if on_interrupt is None else on_interrupt(args)
 
 
 #: Exceptions raised by validation (argument, option and configuration checks) before any work: usage errors.

@@ -141,7 +141,8 @@ def split_policies(text: str) -> list[str]:
         raise UsageError(f"--policies is empty; name at least one of: {', '.join(policy_names())}")
     unknown = [p for p in policies if p not in policy_names()]
     if unknown:
-        raise UsageError(f"unknown policy {unknown[0]!r} in --policies; registered policies: {', '.join(policy_names())}")
+        raise UsageError(f"unknown policy {unknown[0]!r} in --policies; "
+                         f"registered policies: {', '.join(policy_names())}")
     repeated = sorted({p for p in policies if policies.count(p) > 1})
     if repeated:
         raise UsageError(f"--policies names {repeated[0]!r} twice; list each policy once")
@@ -208,7 +209,7 @@ def check_task_prompts(task_name: str | None, prompts: list[str]) -> None:
 
 def get_task_or_usage(task_name: str):
     """The registered task ``task_name``; an unknown name is a :class:`UsageError` listing the tasks."""
-    from polestar.bench.tasks import get_task
+    from polestar.tasks import get_task
 
     try:
         return get_task(task_name)

@@ -12,27 +12,21 @@ run eagerly). ``polestar.generate(..., check_stages=True)`` / ``polestar.assembl
 environment variable ``POLESTAR_CHECK_STAGES=1`` check every stage; ``check_stages=False`` or
 ``POLESTAR_CHECK_STAGES=0`` none. :mod:`polestar.testing` always checks.
 
-The contracts (shapes as in the base classes' docstrings):
-
-* drift ``score(cur, prev)``: ``cur, prev [B, H, R, T]`` → ``[B, R]`` floating, finite, ≥ 0;
-* cluster ``cluster(x [G, N, D], k, valid [G, N], ...)`` → ``(centroids [G, k, D], labels [G, N] integer in
-  [-1, k), counts [G, k])``;
-* quant ``decode(encode(x))``: ``encode`` then ``decode`` give back ``x``'s shape and dtype;
-* offload ``read_rows(stored, rows [B, M], device)`` → a tuple of tensors ``[B, M, ...]``;
-* refresh ``plan(state, cache, local)`` → a :class:`~polestar.models.plan.Plan` with integer ``index`` and bool
-  ``valid`` of one shape ``[B, C]`` or ``[n_layers, B, C]``, ``index`` in ``[0, T]`` (``T``: the trash slot);
-* commit ``select(pred, masked [B, bl], state, local)`` → a :class:`~polestar.state.CommitSelection` whose
-  ``commit`` is bool ``[B, bl]``.
+Each kind's contract is part of its record (:attr:`polestar.stage_kinds.StageKind.contract`, declared next to
+the kind's base class): method name → a check of what the method returns, built from :func:`fail` and
+:func:`expect_tensor`.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from .stage_kinds import KINDS
 
 ENV_SWITCH = "POLESTAR_CHECK_STAGES"
 
@@ -90,105 +84,31 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _fail(stage, method: str, out: Any, problem: str) -> None:
+def fail(stage, method: str, out: Any, problem: str) -> None:
+    """Raise the :class:`StageContractError` of ``stage``'s ``method`` returning ``out``: ``problem`` says why."""
     raise StageContractError(f"{stage.kind} stage {stage.name!r} ({type(stage).__name__}.{method}) returned "
                              f"{_describe(out)}: {problem}{origin(stage)}")
 
 
-def _tensor(stage, method: str, out: Any, shape: tuple[int, ...] | None, what: str) -> None:
+def expect_tensor(stage, method: str, out: Any, shape: tuple[int, ...] | None, what: str) -> None:
+    """``out`` must be a tensor (of ``shape`` unless None); ``what`` names the expected value in the error."""
     if not isinstance(out, torch.Tensor):
-        _fail(stage, method, out, f"expected {what}")
+        fail(stage, method, out, f"expected {what}")
     if shape is not None and tuple(out.shape) != tuple(shape):
-        _fail(stage, method, out, f"expected {what} of shape {list(shape)}")
+        fail(stage, method, out, f"expected {what} of shape {list(shape)}")
 
 
-def check_drift(stage, out: Any, cur: torch.Tensor, prev: torch.Tensor) -> None:
-    """``score(cur, prev)``: ``[B, R]`` floating, finite, ≥ 0."""
-    _tensor(stage, "score", out, (cur.shape[0], cur.shape[2]), "a floating [B, R] tensor")
-    if not out.is_floating_point():
-        _fail(stage, "score", out, "expected a floating [B, R] tensor")
-    if not torch.isfinite(out).all():
-        _fail(stage, "score", out, "a drift must be finite; it holds NaN or inf")
-    if (out < 0).any():
-        _fail(stage, "score", out, f"a drift must be >= 0; its minimum is {out.min().item():.4g}")
-
-
-def check_cluster(stage, out: Any, x: torch.Tensor, k: int, valid: torch.Tensor, *_: Any, **__: Any) -> None:
-    """``cluster(x [G, N, D], k, valid, ...)`` → ``(centroids [G, k, D], labels [G, N] in [-1, k), counts [G, k])``."""
-    G, N, D = x.shape
-    if not isinstance(out, tuple) or len(out) != 3:
-        _fail(stage, "cluster", out, "expected (centroids, labels, counts)")
-    centroids, labels, counts = out
-    _tensor(stage, "cluster", centroids, (G, k, D), "centroids [G, k, D]")
-    _tensor(stage, "cluster", labels, (G, N), "labels [G, N]")
-    _tensor(stage, "cluster", counts, (G, k), "counts [G, k]")
-    if labels.is_floating_point() or ((labels < -1) | (labels >= k)).any():
-        _fail(stage, "cluster", out, f"labels must be integers in [-1, {k})")
-    if ((labels >= 0) & ~valid).any():
-        _fail(stage, "cluster", out, "an invalid position got a cluster label (expected -1)")
-
-
-def check_quant_round_trip(stage, x: torch.Tensor, y: Any) -> None:
-    """``decode(encode(x))`` has ``x``'s shape and dtype."""
-    _tensor(stage, "decode", y, tuple(x.shape), f"a {x.dtype} tensor")
-    if y.dtype != x.dtype:
-        _fail(stage, "decode", y, f"expected dtype {x.dtype} (the encoded input's)")
-
-
-def check_quant_decode(stage, out: Any, packed: Any) -> None:
-    """``decode(packed)`` is a floating tensor."""
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-        _fail(stage, "decode", out, "expected a floating tensor [..., D]")
-
-
-def check_rows(stage, out: Any, stored: Any, rows: torch.Tensor, device: Any) -> None:
-    """``read_rows(stored, rows [B, M], device)`` → tuple of ``[B, M, ...]`` tensors."""
-    if not isinstance(out, tuple) or not all(isinstance(t, torch.Tensor) for t in out):
-        _fail(stage, "read_rows", out, "expected a tuple of tensors [B, M, ...]")
-    for leaf in out:
-        if tuple(leaf.shape[:2]) != tuple(rows.shape):
-            _fail(stage, "read_rows", out, f"every leaf must start with the rows' shape {list(rows.shape)}")
-
-
-def check_plan(stage, out: Any, state: Any, cache: Any, local: Any) -> None:
-    """``plan(state, cache, local)`` → a Plan, integer index in ``[0, T]`` and bool valid of one shape."""
-    from polestar.models.plan import Plan
-
-    if not isinstance(out, Plan):
-        _fail(stage, "plan", out, "expected a Plan(index, valid, target_offset)")
-    index, valid = out.index, out.valid
-    if index.shape != valid.shape or index.dim() not in (2, 3) or index.shape[-2] != state.x.shape[0]:
-        _fail(stage, "plan", out, f"index and valid must share a shape [B, C] or [n_layers, B, C] with "
-                                  f"B = {state.x.shape[0]}")
-    if index.is_floating_point() or valid.dtype != torch.bool:
-        _fail(stage, "plan", out, "index must be an integer tensor and valid a bool tensor")
-    T = state.x.shape[1]
-    if ((index < 0) | (index > T)).any():
-        _fail(stage, "plan", out, f"index values must lie in [0, {T}] ({T}: the trash slot)")
-
-
-def check_commit(stage, out: Any, pred: Any, masked: torch.Tensor, state: Any, local: Any) -> None:
-    """``select(pred, masked [B, bl], state, local)`` → CommitSelection with bool ``commit [B, bl]``."""
-    commit = getattr(out, "commit", None)
-    if not isinstance(commit, torch.Tensor) or commit.dtype != torch.bool or commit.shape != masked.shape:
-        _fail(stage, "select", out, f"expected a CommitSelection whose commit is bool {list(masked.shape)}")
-
-
-#: kind → {method name: check(stage, output, *the method's arguments)}
-CONTRACTS: dict[str, dict[str, Callable[..., None]]] = {
-    "drift": {"score": check_drift},
-    "cluster": {"cluster": check_cluster},
-    "quant": {"decode": check_quant_decode},
-    "offload": {"read_rows": check_rows},
-    "refresh": {"plan": check_plan},
-    "commit": {"select": check_commit},
-}
+def contract(kind: str) -> Mapping[str, Callable[..., None]]:
+    """Method name → check of what it returns, for stages of ``kind`` (its :class:`~polestar.stage_kinds.StageKind`
+    record's contract; empty for a kind without one)."""
+    record = KINDS.get(kind)
+    return record.contract if record is not None else {}
 
 
 def checked(stage):
     """Wrap, on this instance, every contract method of ``stage`` with its check; returns ``stage``. A checked
     stage is not compilable (its checks read the device), so the step runs eagerly."""
-    for method, check in CONTRACTS.get(stage.kind, {}).items():
+    for method, check in contract(stage.kind).items():
         bound = getattr(stage, method)
 
         @functools.wraps(bound)

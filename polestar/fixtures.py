@@ -23,7 +23,8 @@ from polestar.models.published import DREAM_SPECIAL_TOKENS, LLADA_ADDED_TOKENS, 
 
 def _byte_alphabet() -> list[str]:
     """The 256 printable stand-ins of GPT-2 byte-level BPE, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1)))
     chars, n = {}, 0
     for b in range(256):
         if b in keep:

@@ -139,7 +139,8 @@ class CheckpointReport:
             f"{self.max_seq_len}",
             f"parameters    {_count(self.n_params)} ({self.n_params:,})",
             f"dtype         {self.dtype.line()}",
-            f"weights       {format_bytes(self.weight_bytes_on_disk)} on disk, {format_bytes(self.weight_bytes_loaded)} loaded",
+            f"weights       {format_bytes(self.weight_bytes_on_disk)} on disk, "
+            f"{format_bytes(self.weight_bytes_loaded)} loaded",
             f"K/V cache     {format_bytes(self.kv_bytes_per_token)} per token; {format_bytes(self.kv_bytes)} for batch "
             f"{self.batch_size} × {self.length} tokens",
             f"tokenizer     {', '.join(tok.files) if tok.found else 'none (prompts must be token ids)'}",
@@ -160,9 +161,9 @@ def inspect_checkpoint(path_or_name: str | Path, batch_size: int = 1, length: in
     """Facts of a checkpoint directory (or shipped name) from its JSON files and safetensors headers.
 
     ``length``: tokens per sequence for the K/V figure (default: the matched preset's generation length, else
-    256, at most the model's context); ``batch_size``: sequences; ``dtype``: the dtype a load would be asked for (None: the checkpoint's own).
-    Raises only for what makes the directory unreadable (no config.json, an unknown family, unreadable
-    headers); every field the engine refuses is reported in ``refused`` instead.
+    256, at most the model's context); ``batch_size``: sequences; ``dtype``: the dtype a load would be asked for
+    (None: the checkpoint's own). Raises only for what makes the directory unreadable (no config.json, an unknown
+    family, unreadable headers); every field the engine refuses is reported in ``refused`` instead.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")

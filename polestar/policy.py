@@ -11,9 +11,7 @@ import attrs
 from . import contracts, registry
 from .overrides import Overrides
 from .registry import UnknownNameError
-
-# stage kinds a policy composes, in the order they are assembled
-POLICY_KINDS = ("refresh", "commit")
+from .stage_kinds import engine_driven
 
 
 @attrs.frozen
@@ -137,12 +135,12 @@ def _add_required(chosen: dict[str, str]) -> None:
 def _check_consumed(policy: str, kind: str, chosen: dict[str, str]) -> None:
     """A swapped-in stage of a composed kind (drift, cluster, quant, offload) must be read by a chosen stage: one
     ValueError naming the policy's stages and the registered stages that would read it."""
-    if kind in POLICY_KINDS:
+    if kind in engine_driven():
         return
     if any(kind in registry.lookup(k, n).requires for k, n in chosen.items() if k != kind):
         return
     readers = [f"{k} {n!r}" for k in registry.KINDS for n in registry.names(k) if kind in registry.lookup(k, n).requires]
-    own = ", ".join(f"{k} {chosen[k]!r}" for k in POLICY_KINDS if k in chosen)
+    own = ", ".join(f"{k} {chosen[k]!r}" for k in engine_driven() if k in chosen)
     raise ValueError(f"{kind}={chosen[kind]}: no stage of policy {policy!r} reads a {kind} stage ({own} do not); "
                      f"stages that read one: {', '.join(readers) or 'none'} (swap one of them in, or pick a policy "
                      "that has one)")

@@ -1,9 +1,10 @@
 """Presets: the paper's decoding settings for the published checkpoints, by name or recognised from config.json.
 
 Settings (Lee et al. 2026, Table 1 and its text): generation length 256, block 32, steps = generation length
-(steps are left unset so they follow whatever generation length a run uses), temperature 0, confidence threshold τ_s = 0.9, early-commit band from 0.7, drift window 5
-steps, α = 10, Polestar-Cache with 8 clusters over a window of 2 prefix + 1 suffix blocks, top-4 clusters per
-layer (top-1 at the last), τ_upd = 1, a window-only refresh every 4th block (the released code's values).
+(steps are left unset so they follow whatever generation length a run uses), temperature 0, confidence threshold
+τ_s = 0.9, early-commit band from 0.7, drift window 5 steps, α = 10, Polestar-Cache with 8 clusters over a window
+of 2 prefix + 1 suffix blocks, top-4 clusters per layer (top-1 at the last), τ_upd = 1, a window-only refresh every
+4th block (the released code's values).
 """
 
 from __future__ import annotations

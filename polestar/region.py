@@ -58,8 +58,8 @@ class WindowRegion:
     """A sliding window of the first ``window_length`` masked positions of each row (see the module docstring).
 
     ``eos_id``: the token whose first commit bounds the window (None: the generation's stop tokens, the model's EOS
-    and end-of-turn ids, when the generation stops at EOS; else no bound). Shapes: ``region, region_valid [B, R]`` with ``R = min(window_length, gen_length)``,
-    ``horizon [B]`` (``T`` while no stop token was committed)."""
+    and end-of-turn ids, when the generation stops at EOS; else no bound). Shapes: ``region, region_valid [B, R]``
+    with ``R = min(window_length, gen_length)``, ``horizon [B]`` (``T`` while no stop token was committed)."""
 
     window_length: int = attrs.field(validator=[v.instance_of(int), v.ge(1)])
     eos_id: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))

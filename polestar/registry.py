@@ -1,5 +1,8 @@
 """Typed registry of pipeline stages: one namespace per stage kind, each name bound to a stage class.
 
+The kinds are the :class:`~polestar.stage_kinds.StageKind` records of :data:`KINDS` (declared next to each kind's
+base class); a kind's table holds the stages registered under it.
+
 A stage class declares ``Config`` (a frozen attrs class) and is built as ``cls(cls.Config(**options))``.
 Lookups happen when a pipeline is assembled, never inside a decoding step.
 
@@ -18,11 +21,12 @@ from typing import Any, TypeVar
 
 import attrs
 
-KINDS = ("drift", "cluster", "quant", "refresh", "commit", "offload")
+from .stage_kinds import KINDS
 
 T = TypeVar("T")
 
-_REGISTRY: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
+#: kind → name → stage class (a kind's table is created by the first stage registered under it)
+_REGISTRY: dict[str, dict[str, type]] = {}
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -37,17 +41,17 @@ def register(kind: str, name: str) -> Callable[[type[T]], type[T]]:
 
     Registering a class with the same module and qualified name again (a re-run notebook cell) replaces the
     registered one; another class under a taken name raises ValueError naming both."""
-    if kind not in _REGISTRY:
-        raise UnknownNameError(f"unknown stage kind {kind!r}; kinds: {', '.join(KINDS)}")
+    _known_kind(kind)
 
     def deco(cls: type[T]) -> type[T]:
         if not attrs.has(getattr(cls, "Config", None)):
             raise TypeError(f"stage {cls.__name__} must define an attrs 'Config' class")
-        existing = _REGISTRY[kind].get(name)
+        table = _REGISTRY.setdefault(kind, {})
+        existing = table.get(name)
         if existing is not None and _identity(existing) != _identity(cls):
             raise ValueError(f"{kind} stage {name!r} is already registered by {_identity(existing)}; "
                              f"register {_identity(cls)} under another name")
-        _REGISTRY[kind][name] = cls
+        table[name] = cls
         cls.kind = kind
         cls.name = name
         return cls
@@ -91,15 +95,20 @@ def _identity(cls: type) -> str:
 
 def names(kind: str) -> list[str]:
     """Registered names of ``kind``, sorted."""
-    if kind not in _REGISTRY:
+    _known_kind(kind)
+    return sorted(_REGISTRY.get(kind, {}))
+
+
+def _known_kind(kind: str) -> None:
+    """An undeclared kind is an :class:`UnknownNameError` listing the declared ones."""
+    if kind not in KINDS:
         raise UnknownNameError(f"unknown stage kind {kind!r}; kinds: {', '.join(KINDS)}")
-    return sorted(_REGISTRY[kind])
 
 
 def lookup(kind: str, name: str) -> type:
     """The stage class registered as ``kind`` / ``name``; an unknown name lists the registered ones."""
     registered = names(kind)
-    if name not in _REGISTRY[kind]:
+    if name not in registered:
         raise UnknownNameError(f"unknown {kind} stage {name!r}; registered {kind} stages: {', '.join(registered)}")
     return _REGISTRY[kind][name]
 

@@ -36,7 +36,9 @@ from polestar.models.cost import StepCost
 from polestar.models.hooks import LayerHook as LayerHookProtocol
 from polestar.models.plan import DecodeCache, Plan
 
+from .contracts import fail
 from .region import BlockRegion
+from .stage_kinds import StageKind, register_kind
 from .state import CommitSelection, DecodeState, Prediction, StepPosition, SuffixCommit, UpdatePacket
 
 
@@ -127,7 +129,8 @@ class RefreshSelector(Stage):
         numbers from ``state.generator`` into them. Default: nothing."""
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: Any) -> LayerHook | None:
-        """A :class:`LayerHook` for this step's forward (sparse updates), or None."""
+        """A :class:`LayerHook` for this step's forward (sparse updates), or None. The hook gets what it runs on the
+        model as a :class:`~polestar.models.layer_ops.LayerOps` view of ``model``, not the model."""
         return None
 
     def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:
@@ -187,3 +190,35 @@ class CommitRule(Stage):
         """Commits outside the block (:class:`~polestar.state.SuffixCommit`) or None; ``packet``: this step's
         :class:`~polestar.state.UpdatePacket` from the refresh selector's sparse update, or None."""
         return None
+
+
+def check_plan(stage, out: Any, state: DecodeState, cache: DecodeCache, local: Any) -> None:
+    """``plan(state, cache, local)`` → a Plan with integer ``index`` in ``[0, T]`` (``T``: the trash slot) and bool
+    ``valid`` of one shape ``[B, C]`` or ``[n_layers, B, C]``."""
+    if not isinstance(out, Plan):
+        fail(stage, "plan", out, "expected a Plan(index, valid, target_offset)")
+    index, valid = out.index, out.valid
+    if index.shape != valid.shape or index.dim() not in (2, 3) or index.shape[-2] != state.x.shape[0]:
+        fail(stage, "plan", out, f"index and valid must share a shape [B, C] or [n_layers, B, C] with "
+                                 f"B = {state.x.shape[0]}")
+    if index.is_floating_point() or valid.dtype != torch.bool:
+        fail(stage, "plan", out, "index must be an integer tensor and valid a bool tensor")
+    T = state.x.shape[1]
+    if ((index < 0) | (index > T)).any():
+        fail(stage, "plan", out, f"index values must lie in [0, {T}] ({T}: the trash slot)")
+
+
+def check_commit(stage, out: Any, pred: Prediction, masked: torch.Tensor, state: DecodeState, local: Any) -> None:
+    """``select(pred, masked [B, bl], state, local)`` → a CommitSelection whose ``commit`` is bool ``[B, bl]``."""
+    commit = getattr(out, "commit", None)
+    if not isinstance(commit, torch.Tensor) or commit.dtype != torch.bool or commit.shape != masked.shape:
+        fail(stage, "select", out, f"expected a CommitSelection whose commit is bool {list(masked.shape)}")
+
+
+REFRESH = register_kind(StageKind(
+    "refresh", RefreshSelector, "which positions each layer recomputes at each step (the cache policy)",
+    engine_driven=True, contract={"plan": check_plan}))
+
+COMMIT = register_kind(StageKind(
+    "commit", CommitRule, "which masked tokens of the block a step commits", engine_driven=True,
+    contract={"select": check_commit}))

@@ -197,9 +197,12 @@ class StepDetail:
     :class:`~polestar.policies.sparse_update.SparseUpdate`); ``clusters[l]``: Polestar-Cache's
     :class:`ClusterDrift`; ``similarity[l]``: Elastic-Cache's ``[B]`` cosine similarity of the tracked keys'
     attention rows with the previous step's, ``triggered[l]``: ``[B]`` bool rows whose similarity fell below
-    ``gamma`` at this layer or below (so recomputed from their first triggered layer upward)."""
+    ``gamma`` at this layer or below (so recomputed from their first triggered layer upward); ``computed[l]``:
+    ``(positions [B, X], valid [B, X])`` of the plan rows layer ``l`` put through attention and the MLP, where a hook
+    restricted the layer's pass to some of them (dLLM-Cache's feature cache; absent: every plan row)."""
 
     refreshed: dict = attrs.field(factory=dict)
+    computed: dict = attrs.field(factory=dict)
     clusters: dict = attrs.field(factory=dict)
     similarity: dict = attrs.field(factory=dict)
     triggered: dict = attrs.field(factory=dict)

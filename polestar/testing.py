@@ -2,10 +2,11 @@
 
 ``check_stage("drift", "hellinger")`` runs, for the registered stage ``kind`` / ``name``:
 
-* ``contract``: fuzzed inputs of the kind's shapes (seeded draws: sizes, sharp and flat distributions, magnitudes)
-  through the stage with :mod:`polestar.contracts` checking every output, plus the kind's invariants (a drift is 0
-  on equal inputs, or on one-hot rows for a metric that ignores ``prev``; a lossless quantizer is exact; an
-  offloader reads back the rows it wrote; clusterers label valid positions only);
+* ``contract``: the example inputs of the kind's :class:`~polestar.stage_kinds.StageKind` record (seeded draws:
+  sizes, sharp and flat distributions, magnitudes) through the stage with :mod:`polestar.contracts` checking every
+  output, plus the record's laws (a drift is 0 on equal inputs, or on one-hot rows for a metric that ignores
+  ``prev``; a lossless quantizer is exact; an offloader reads back the rows it wrote; clusterers label valid
+  positions only);
 * ``pure``: the same inputs give the same outputs (stages are pure functions of their inputs; a clusterer of its
   generator's seed);
 * ``invariants``: decoding with the stage swapped into a policy that reads its kind (:func:`host_policy`) keeps the
@@ -41,6 +42,7 @@ from polestar.api import generate
 from polestar.models.loading import build_model
 from polestar.plugins import load_plugins
 from polestar.policy import get_policy, policy_names
+from polestar.stage_kinds import KINDS
 
 #: the small random model's spec (token ids 38 / 39 are EOS / mask): fast enough for many decodes per test
 TINY = dict(
@@ -87,74 +89,36 @@ def attention_pair(gen: torch.Generator, b: int, h: int, r: int, t: int, sharp: 
     return cur, prev
 
 
+def check_example(stage, *example: Any) -> None:
+    """The laws of ``stage``'s kind (its :class:`~polestar.stage_kinds.StageKind` record) on one example input, on
+    a fresh instance whose contract methods are checked."""
+    laws = KINDS[stage.kind].laws
+    if laws is None:
+        raise ValueError(f"stage kind {stage.kind!r} has no example laws (its stages are checked in a decode)")
+    laws(contracts.checked(_fresh(stage)), *example)
+
+
 def check_drift_metric(metric, cur: torch.Tensor, prev: torch.Tensor) -> None:
     """A drift on one input pair: the contract (``[B, R]``, finite, ≥ 0), the same scores twice, and 0 on equal
     inputs — or, for a metric that ignores ``prev``, 0 on one-hot rows."""
-    metric = contracts.checked(_fresh(metric))
-    score = metric.score(cur, prev)
-    again = metric.score(cur.clone(), prev.clone())
-    assert torch.equal(score, again), f"drift stage {metric.name!r} is not deterministic: the same inputs scored " \
-        f"differently (max difference {(score - again).abs().max().item():.3g})"
-    ignores_prev = torch.equal(score, metric.score(cur, cur.flip(-1)))
-    probe = cur if not ignores_prev else torch.nn.functional.one_hot(cur.argmax(-1), cur.shape[-1]).float()
-    zero = metric.score(probe, probe)
-    assert torch.allclose(zero, torch.zeros_like(zero), atol=1e-5), (
-        f"drift stage {metric.name!r} is not 0 on equal inputs (max {zero.abs().max().item():.3g})")
+    check_example(metric, cur, prev)
 
 
 def check_quant_round_trip(stage, x: torch.Tensor) -> None:
     """``decode(encode(x))``: ``x``'s shape and dtype, exact for a lossless quantizer, the same twice, and
     ``from_leaves(to_leaves(...))`` decodes to the same values."""
-    stage = _fresh(stage)
-    packed = stage.encode(x)
-    y = stage.decode(packed)
-    contracts.check_quant_round_trip(stage, x, y)
-    assert torch.isfinite(y).all(), f"quant stage {stage.name!r} decoded non-finite values from finite input"
-    if stage.lossless:
-        assert torch.equal(y, x), f"quant stage {stage.name!r} is declared lossless but changed values"
-    assert torch.equal(y, stage.decode(stage.encode(x.clone()))), f"quant stage {stage.name!r} is not deterministic"
-    leaves = stage.to_leaves(packed)
-    rebuilt = stage.decode(stage.from_leaves(tuple(leaves), x.shape[-1], x.dtype))
-    assert torch.equal(rebuilt, y), f"quant stage {stage.name!r}: from_leaves(to_leaves(...)) decodes differently"
+    check_example(stage, x)
 
 
 def check_clusterer(stage, x: torch.Tensor, k: int, valid: torch.Tensor, seed: int) -> None:
     """One clustering: the contract, counts that match the labels, and the same result for the same seed."""
-    stage = contracts.checked(_fresh(stage))
-
-    def run():
-        gen = torch.Generator().manual_seed(seed)
-        keys = torch.rand(x.shape[0], x.shape[1], generator=gen) if stage.needs_keys else None
-        return stage.cluster(x, k, valid, gen, keys)
-
-    centroids, labels, counts = run()
-    onehot = torch.nn.functional.one_hot(labels.clamp_min(0).long(), k) * (labels >= 0)[..., None]
-    assert torch.equal(onehot.sum(1).to(counts.dtype), counts), f"cluster stage {stage.name!r}: counts do not " \
-        "match the labels"
-    again = run()
-    assert all(torch.equal(a, b) for a, b in zip((centroids, labels, counts), again)), (
-        f"cluster stage {stage.name!r} is not deterministic for a fixed generator seed")
+    check_example(stage, x, k, valid, seed)
 
 
 def check_offloader(stage, leaves: Sequence[torch.Tensor], rows: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
     """``alloc(leaves)``, ``write_rows(rows, values)`` then ``read_rows(rows)`` gives the values back; unwritten
     rows keep ``leaves``' values."""
-    stage = contracts.checked(_fresh(stage))
-    stored = stage.alloc(tuple(leaves))
-    stage.write_rows(stored, rows, tuple(values))
-    back = stage.read_rows(stored, rows, leaves[0].device)
-    assert all(torch.equal(a, b) for a, b in zip(back, values)), f"offload stage {stage.name!r} read back other " \
-        "values than it wrote"
-    others = torch.ones(leaves[0].shape[:2], dtype=torch.bool).scatter_(1, rows, False)
-    keep = torch.stack([torch.arange(leaves[0].shape[1])[o] for o in others]) if others.any() else None
-    if keep is not None and keep.shape[1] > 0:
-        kept = stage.read_rows(stored, keep, leaves[0].device)
-        assert all(torch.equal(a, b.gather(1, _expand(keep, b))) for a, b in zip(kept, leaves)), (
-            f"offload stage {stage.name!r} changed rows it was not asked to write")
-
-
-def _expand(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return rows.view(*rows.shape, *([1] * (like.dim() - 2))).expand(*rows.shape, *like.shape[2:])
+    check_example(stage, leaves, rows, values)
 
 
 def _fresh(stage):
@@ -162,58 +126,17 @@ def _fresh(stage):
     return type(stage)(stage.config)
 
 
-def _contract_drift(name: str, gen: torch.Generator, examples: int) -> None:
-    metric = registry.build("drift", name)
-    for i in range(examples):
-        b, h, r, t = (int(torch.randint(1, n + 1, (1,), generator=gen)) for n in (2, 3, 3, 24))
-        check_drift_metric(metric, *attention_pair(gen, b, h, r, t, (0.1, 1.0, 8.0)[i % 3]))
-
-
-def _contract_quant(name: str, gen: torch.Generator, examples: int) -> None:
-    stage = registry.build("quant", name)
-    for i in range(examples):
-        n, d = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 49, (1,), generator=gen))
-        x = torch.randn(n, d, generator=gen) * (1e-4, 1.0, 300.0)[i % 3]
-        if i % 2:
-            x[0] = 0.0
-        check_quant_round_trip(stage, x)
-
-
-def _contract_cluster(name: str, gen: torch.Generator, examples: int) -> None:
-    stage = registry.build("cluster", name)
-    for i in range(examples):
-        g, n, d = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 3), (2, 17), (2, 9)))
-        k = int(torch.randint(1, n + 1, (1,), generator=gen))
-        valid = torch.ones(g, n, dtype=torch.bool)
-        if i % 2:  # a padded tail in every group, at least k positions left
-            valid[:, max(k, n - int(torch.randint(0, n, (1,), generator=gen))):] = False
-        check_clusterer(stage, torch.randn(g, n, d, generator=gen), k, valid, seed=i)
-
-
-def _contract_offload(name: str, gen: torch.Generator, examples: int) -> None:
-    stage = registry.build("offload", name)
-    for _ in range(examples):
-        b, n, m = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 3), (2, 9), (1, 3)))
-        m = min(m, n)
-        leaves = (torch.randn(b, n, 4, generator=gen), torch.randint(0, 255, (b, n, 2), generator=gen).to(torch.uint8))
-        rows = torch.stack([torch.randperm(n, generator=gen)[:m] for _ in range(b)])
-        values = (torch.randn(b, m, 4, generator=gen), torch.randint(0, 255, (b, m, 2), generator=gen).to(torch.uint8))
-        check_offloader(stage, leaves, rows, values)
-
-
-#: kind → its stage-level contract check (refresh and commit stages are checked in the decoding loop instead)
-_CONTRACTS: dict[str, Callable[[str, torch.Generator, int], None]] = {
-    "drift": _contract_drift, "quant": _contract_quant, "cluster": _contract_cluster, "offload": _contract_offload,
-}
-
-
 def check_contract(kind: str, name: str, examples: int = 12, seed: int = 0) -> None:
-    """The stage-level contract of ``kind`` / ``name`` on ``examples`` seeded random inputs (the ``contract`` and
-    ``pure`` checks); for refresh and commit stages, one checked decode (their inputs are a decoding state)."""
+    """The stage-level contract of ``kind`` / ``name`` on ``examples`` seeded inputs of its kind's record (the
+    ``contract`` and ``pure`` checks: :func:`check_example` on each); for a kind without example inputs (refresh,
+    commit: their input is a decoding state), one checked decode."""
     registry.lookup(kind, name)
     gen = torch.Generator().manual_seed(seed)
-    if kind in _CONTRACTS:
-        _CONTRACTS[kind](name, gen, examples)
+    record = KINDS[kind]
+    if record.examples is not None:
+        stage = registry.build(kind, name)
+        for example in record.examples(gen, examples):
+            check_example(stage, *example)
     else:
         generate(_shared_model("llada"), PROMPTS, policy=host_policy(kind), gen_length=16, block_length=8,
                           check_stages=True, **{kind: name})

@@ -10,8 +10,10 @@ from __future__ import annotations
 import attrs
 import torch
 
+from polestar.contracts import expect_tensor, fail
 from polestar.kernels.drift import DEFAULT_EPS, cosine_drift, entropy, js_drift, kl_drift
 from polestar.registry import register
+from polestar.stage_kinds import StageKind, register_kind
 from polestar.stages import Stage
 
 
@@ -28,6 +30,45 @@ class DriftMetric(Stage):
         like the entropy ablation, is 0 on one-hot rows). A pure function of its inputs: no random draws, no host
         reads."""
         raise NotImplementedError
+
+
+def check_drift(stage, out, cur: torch.Tensor, prev: torch.Tensor) -> None:
+    """``score(cur, prev)``: ``[B, R]`` floating, finite, ≥ 0."""
+    expect_tensor(stage, "score", out, (cur.shape[0], cur.shape[2]), "a floating [B, R] tensor")
+    if not out.is_floating_point():
+        fail(stage, "score", out, "expected a floating [B, R] tensor")
+    if not torch.isfinite(out).all():
+        fail(stage, "score", out, "a drift must be finite; it holds NaN or inf")
+    if (out < 0).any():
+        fail(stage, "score", out, f"a drift must be >= 0; its minimum is {out.min().item():.4g}")
+
+
+def drift_examples(gen: torch.Generator, n: int):
+    """``n`` attention pairs ``(cur, prev) [B, H, R, T]`` of random sizes, near-uniform to near-one-hot rows."""
+    for i in range(n):
+        b, h, r, t = (int(torch.randint(1, m + 1, (1,), generator=gen)) for m in (2, 3, 3, 24))
+        sharp = (0.1, 1.0, 8.0)[i % 3]
+        cur = (torch.randn(b, h, r, t, generator=gen) * sharp).softmax(-1)
+        prev = (torch.randn(b, h, r, t, generator=gen) * sharp).softmax(-1)
+        yield cur, prev
+
+
+def drift_laws(metric: DriftMetric, cur: torch.Tensor, prev: torch.Tensor) -> None:
+    """The same scores twice, and 0 on equal inputs — or, for a metric that ignores ``prev``, 0 on one-hot rows."""
+    score = metric.score(cur, prev)
+    again = metric.score(cur.clone(), prev.clone())
+    assert torch.equal(score, again), f"drift stage {metric.name!r} is not deterministic: the same inputs scored " \
+        f"differently (max difference {(score - again).abs().max().item():.3g})"
+    ignores_prev = torch.equal(score, metric.score(cur, cur.flip(-1)))
+    probe = cur if not ignores_prev else torch.nn.functional.one_hot(cur.argmax(-1), cur.shape[-1]).float()
+    zero = metric.score(probe, probe)
+    assert torch.allclose(zero, torch.zeros_like(zero), atol=1e-5), (
+        f"drift stage {metric.name!r} is not 0 on equal inputs (max {zero.abs().max().item():.3g})")
+
+
+DRIFT = register_kind(StageKind(
+    "drift", DriftMetric, "how far each row's attention moved between two steps",
+    contract={"score": check_drift}, examples=drift_examples, laws=drift_laws))
 
 
 @attrs.frozen

@@ -1,9 +1,10 @@
 """Offloaders (kind ``offload``): where stored window members live and how they are fetched back.
 
 The interface is by rows (:class:`~polestar.policies.row_store.RowStore`): ``alloc(like)`` allocates, once,
-storage for a tuple of leaves ``[B, N, ...]`` (initialized to ``like``'s values); ``read_rows(stored, rows [B, M], device)`` → leaves
-``[B, M, ...]`` on ``device``; ``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place.
-Rows are long indices along dim 1; a read or write never syncs the host with the device.
+storage for a tuple of leaves ``[B, N, ...]`` (initialized to ``like``'s values);
+``read_rows(stored, rows [B, M], device)`` → leaves ``[B, M, ...]`` on ``device``;
+``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place. Rows are long indices along dim 1; a
+read or write never syncs the host with the device.
 
 ``compilable``: whether ``read_rows`` / ``write_rows`` can be traced by ``torch.compile(fullgraph=True)`` (when
 False, every step of the pipeline runs eagerly: the step is compiled whole or not at all).
@@ -14,7 +15,9 @@ from __future__ import annotations
 import attrs
 import torch
 
+from polestar.contracts import fail
 from polestar.registry import register
+from polestar.stage_kinds import StageKind, register_kind
 from polestar.stages import Stage
 
 
@@ -50,6 +53,49 @@ class Offloader(Stage):
 
     def write_rows(self, stored, rows: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> None:  # pragma: no cover
         raise NotImplementedError
+
+
+def check_rows(stage, out, stored, rows: torch.Tensor, device) -> None:
+    """``read_rows(stored, rows [B, M], device)`` → tuple of ``[B, M, ...]`` tensors."""
+    if not isinstance(out, tuple) or not all(isinstance(t, torch.Tensor) for t in out):
+        fail(stage, "read_rows", out, "expected a tuple of tensors [B, M, ...]")
+    for leaf in out:
+        if tuple(leaf.shape[:2]) != tuple(rows.shape):
+            fail(stage, "read_rows", out, f"every leaf must start with the rows' shape {list(rows.shape)}")
+
+
+def offload_examples(gen: torch.Generator, n: int):
+    """``n`` row writes ``(leaves, rows [B, M], values)``: leaves ``[B, N, 4]`` float and ``[B, N, 2]`` uint8,
+    distinct rows per sequence, values ``[B, M, ...]`` to write there."""
+    for _ in range(n):
+        b, size, m = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((1, 3), (2, 9), (1, 3)))
+        m = min(m, size)
+        leaves = (torch.randn(b, size, 4, generator=gen),
+                  torch.randint(0, 255, (b, size, 2), generator=gen).to(torch.uint8))
+        rows = torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(b)])
+        values = (torch.randn(b, m, 4, generator=gen), torch.randint(0, 255, (b, m, 2), generator=gen).to(torch.uint8))
+        yield leaves, rows, values
+
+
+def offload_laws(stage: Offloader, leaves, rows: torch.Tensor, values) -> None:
+    """``alloc(leaves)``, ``write_rows(rows, values)`` then ``read_rows(rows)`` gives the values back; unwritten
+    rows keep ``leaves``' values."""
+    stored = stage.alloc(tuple(leaves))
+    stage.write_rows(stored, rows, tuple(values))
+    back = stage.read_rows(stored, rows, leaves[0].device)
+    assert all(torch.equal(a, b) for a, b in zip(back, values)), f"offload stage {stage.name!r} read back other " \
+        "values than it wrote"
+    others = torch.ones(leaves[0].shape[:2], dtype=torch.bool).scatter_(1, rows, False)
+    keep = torch.stack([torch.arange(leaves[0].shape[1])[o] for o in others]) if others.any() else None
+    if keep is not None and keep.shape[1] > 0:
+        kept = stage.read_rows(stored, keep, leaves[0].device)
+        assert all(torch.equal(a, gather_rows(b, keep)) for a, b in zip(kept, leaves)), (
+            f"offload stage {stage.name!r} changed rows it was not asked to write")
+
+
+OFFLOAD = register_kind(StageKind(
+    "offload", Offloader, "where stored window rows live and how they are fetched back",
+    contract={"read_rows": check_rows}, examples=offload_examples, laws=offload_laws))
 
 
 @register("offload", "none")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from polestar.contracts import expect_tensor, fail
 from polestar.kernels.quant import (
     FP8Tensor,
     NVFP4Tensor,
@@ -24,6 +25,7 @@ from polestar.kernels.quant import (
     nvfp4_quantize,
 )
 from polestar.registry import register
+from polestar.stage_kinds import StageKind, register_kind
 from polestar.stages import Stage
 
 
@@ -49,6 +51,49 @@ class Quantizer(Stage):
 
     def from_leaves(self, leaves, dim: int, dtype: torch.dtype):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def check_quant_decode(stage, out, packed) -> None:
+    """``decode(packed)`` is a floating tensor."""
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        fail(stage, "decode", out, "expected a floating tensor [..., D]")
+
+
+def check_quant_round_trip(stage, x: torch.Tensor, y) -> None:
+    """``y = decode(encode(x))`` has ``x``'s shape and dtype."""
+    expect_tensor(stage, "decode", y, tuple(x.shape), f"a {x.dtype} tensor")
+    if y.dtype != x.dtype:
+        fail(stage, "decode", y, f"expected dtype {x.dtype} (the encoded input's)")
+
+
+def quant_examples(gen: torch.Generator, n: int):
+    """``n`` inputs ``(x [N, D],)`` of random sizes and magnitudes (1e-4 to 300), every other one with a zero row."""
+    for i in range(n):
+        rows, d = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 49, (1,), generator=gen))
+        x = torch.randn(rows, d, generator=gen) * (1e-4, 1.0, 300.0)[i % 3]
+        if i % 2:
+            x[0] = 0.0
+        yield (x,)
+
+
+def quant_laws(stage: Quantizer, x: torch.Tensor) -> None:
+    """``decode(encode(x))``: ``x``'s shape and dtype, finite, exact for a lossless quantizer, the same twice, and
+    ``from_leaves(to_leaves(...))`` decodes to the same values."""
+    packed = stage.encode(x)
+    y = stage.decode(packed)
+    check_quant_round_trip(stage, x, y)
+    assert torch.isfinite(y).all(), f"quant stage {stage.name!r} decoded non-finite values from finite input"
+    if stage.lossless:
+        assert torch.equal(y, x), f"quant stage {stage.name!r} is declared lossless but changed values"
+    assert torch.equal(y, stage.decode(stage.encode(x.clone()))), f"quant stage {stage.name!r} is not deterministic"
+    leaves = stage.to_leaves(packed)
+    rebuilt = stage.decode(stage.from_leaves(tuple(leaves), x.shape[-1], x.dtype))
+    assert torch.equal(rebuilt, y), f"quant stage {stage.name!r}: from_leaves(to_leaves(...)) decodes differently"
+
+
+QUANT = register_kind(StageKind(
+    "quant", Quantizer, "how stored window hidden states are kept (row-wise encode / decode)",
+    contract={"decode": check_quant_decode}, examples=quant_examples, laws=quant_laws))
 
 
 @register("quant", "none")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from attrs import validators as v
 
 from polestar.models.backbone import CachedFeatures
+from polestar.models.layer_ops import LayerOps
 from polestar.models.plan import DecodeCache, Plan
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
@@ -87,7 +88,7 @@ class DLLMCacheRefresh(RefreshSelector):
         return block_start_plan(state)
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: FeatureState) -> LayerHook:
-        return _FeatureHook(self.config, state, plan, cache, model, local)
+        return _FeatureHook(self.config, state, plan, cache, LayerOps(model), local)
 
 
 class _FeatureHook(LayerHook):
@@ -95,8 +96,8 @@ class _FeatureHook(LayerHook):
     and its cached features. Plan rows are positions (the plan is every position). ``evals [B]``: the rows the
     layers recomputed minus the plan's rows (which the engine counts at every layer), a row's own positions only."""
 
-    def __init__(self, config, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: FeatureState):
-        self.config, self.state, self.cache, self.model, self.local = config, state, cache, model, local
+    def __init__(self, config, state: DecodeState, plan: Plan, cache: DecodeCache, ops: LayerOps, local: FeatureState):
+        self.config, self.state, self.cache, self.ops, self.local = config, state, cache, ops, local
         self.response, self.prompt = state.phase.refresh
         device = state.x.device
         P, T = state.prompt_len, state.length
@@ -115,6 +116,8 @@ class _FeatureHook(LayerHook):
         else:
             rows = self.arange[:P] if self.prompt else self.arange[:0]
         rows = rows.expand(B, -1)
+        if self.state.detail is not None:  # an observer records: the rows the layer recomputes besides the pick
+            self.state.detail.computed[layer] = (rows, self.own.gather(1, rows))
         if not (layer == 0 or self.response) and self.transfer:
             rows = torch.cat([rows, P + self._value_pick(layer, h, meter)], dim=1)
         self.evals.add_(self.own.gather(1, rows).sum(dim=1) - self.own.sum(dim=1))
@@ -125,7 +128,7 @@ class _FeatureHook(LayerHook):
         projected from their current inputs ``h[:, P:]``, are least cosine-similar to the layer's cached values;
         then every response row's cached value is replaced by its fresh one."""
         P, T = self.state.prompt_len, self.state.length
-        fresh = self.model.project_values(layer, h[:, P:], meter)  # [B, Hkv, G, hd]
+        fresh = self.ops.project_values(layer, h[:, P:], meter)  # [B, Hkv, G, hd]
         cached = self.cache.v[layer][:, :, P:T]
         sim = F.cosine_similarity(_heads_last(fresh), _heads_last(cached), dim=-1)  # [B, G]
         grid = self.config.similarity_grid

@@ -49,6 +49,7 @@ from attrs import validators as v
 
 from polestar.models.backbone import LayerQKV
 from polestar.models.cost import CostMeter, StepCost
+from polestar.models.layer_ops import LayerOps
 from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
@@ -180,7 +181,7 @@ class ElasticCacheRefresh(RefreshSelector):
         return Plan(index, member.gather(1, index), target)
 
     def hook(self, state, plan, cache, model, local: ElasticState):
-        return _PASSES[state.phase.refresh[0]](self, state, plan, cache, model, local)
+        return _PASSES[state.phase.refresh[0]](self, state, plan, cache, LayerOps(model), local)
 
     def held(self, state: DecodeState, local: ElasticState) -> torch.Tensor | None:
         kind = state.phase.refresh[0]
@@ -259,7 +260,8 @@ def tracked_tokens(local: ElasticState, member: torch.Tensor, track_num: int) ->
     return pos, tracked.gather(1, pos)
 
 
-def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor,
+                     key_valid: torch.Tensor) -> torch.Tensor:
     """Elastic-Cache's similarity: the cosine over heads of two attention distributions ``[B, H, K, T + 1]`` of the
     same tokens, averaged over the valid tokens (``valid [B, K]``) and keys (``key_valid [B, T + 1]``) → ``[B]``."""
     cos = F.cosine_similarity(old, now, dim=1, eps=1e-8)  # [B, K, T + 1]
@@ -292,13 +294,13 @@ class _TrackPass(LayerHook):
     each layer's tracked tokens from the window rows' attention (in the rows where the layer computed the window).
     ``plan.target_offset [B, R]``: the window rows' plan slots."""
 
-    def __init__(self, sel: ElasticCacheRefresh, state: DecodeState, plan: Plan, cache: DecodeCache, model,
+    def __init__(self, sel: ElasticCacheRefresh, state: DecodeState, plan: Plan, cache: DecodeCache, ops: LayerOps,
                  local: ElasticState):
-        self.sel, self.state, self.plan, self.cache, self.model, self.local = sel, state, plan, cache, model, local
+        self.sel, self.state, self.plan, self.cache, self.ops, self.local = sel, state, plan, cache, ops, local
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
         T, P = state.length, state.prompt_len
         still = state.schedule.candidates(state)  # [B, G] positions still to decode, as of the forward's start
-        self.masked = torch.cat([torch.zeros_like(still[:, :P]), still], dim=1)[:, :T]
+        self.masked = torch.cat([still.new_zeros(still.shape[0], P), still], dim=1)[:, :T]  # [B, T]
 
     def retrack_rows(self, layer: int) -> torch.Tensor:
         """``[B]`` bool: rows whose window rows this layer computed."""
@@ -315,7 +317,7 @@ class _TrackPass(LayerHook):
         self.check(layer, qkv)
         slots = self.plan.target_offset
         q_win = qkv.q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd))
-        w = self.model.attention_probs(q_win, cache.k[layer], cache.key_valid, qkv.meter)  # [B, H, R, T + 1]
+        w = self.ops.attention_probs(q_win, cache.k[layer], cache.key_valid, qkv.meter)  # [B, H, R, T + 1]
         focus = (w * state.region_valid[:, None, :, None]).sum(dim=(1, 2))[:, : state.length]
         pick = focus.masked_fill(self.masked, 0.0).topk(self.sel.config.track_num, dim=1).indices
         keep = self.retrack_rows(layer)[:, None]
@@ -349,7 +351,7 @@ class _CachedPass(_TrackPass):
         q, B = self.local.q[layer], self.state.batch_size
         H, hd = q.shape[1], q.shape[3]
         past_q = q.gather(2, self.track_pos[:, None, :, None].expand(-1, H, -1, hd))
-        self.old = self.model.attention_probs(past_q, self.cache.k[layer], self.cache.key_valid, meter)
+        self.old = self.ops.attention_probs(past_q, self.cache.k[layer], self.cache.key_valid, meter)
         meter.rows(probe_rows=B * self.track_pos.shape[1])
         return None
 
@@ -362,7 +364,7 @@ class _CachedPass(_TrackPass):
             return
         H, hd = qkv.q.shape[1], qkv.q.shape[3]
         q_now = qkv.q.gather(2, self.track_slots[:, None, :, None].expand(-1, H, -1, hd))
-        now = self.model.attention_probs(q_now, cache.k[layer], cache.key_valid, qkv.meter)
+        now = self.ops.attention_probs(q_now, cache.k[layer], cache.key_valid, qkv.meter)
         sim = attention_cosine(self.old, now, self.track_valid, cache.key_valid)
         hit = (local.fired == state.n_layers) & (sim < self.sel.config.gamma) & state.active
         local.fired.copy_(torch.where(hit, layer, local.fired))

@@ -15,12 +15,15 @@ at most the window; the highest-drifting clusters first when the chosen clusters
 through the layer with the block; their outputs (the update packet) overwrite their stored inputs and K/V at the
 next layer, and centroids shift by their members' change. A member's query is its stored one: a query changes
 only when its input does, and an input changes only by a packet, which re-projects it in the next layer's pass;
-so no layer's q weight is read twice in an update step. Updates run when the previous step committed more than ``tau_upd`` tokens or
-more than ``tau_upd + 1`` were committed since the last update. The last layer's packet yields logits for the
-refreshed positions in the block's LM-head pass (:class:`~polestar.state.UpdatePacket`), which the engine hands to
-the commit rule as ``DecodeState.packet``; only a commit rule that reads it (Polestar-Commit) has the last layer
-recompute members at all (:meth:`PolestarRefresh.refreshes_layer`): with any other rule those rows would feed
-nothing. Per-generation state lives in a :class:`PolestarRefreshState`.
+so no layer's q weight is read twice in an update step. Updates run when the previous step committed more than
+``tau_upd`` tokens or more than ``tau_upd + 1`` were committed since the last update. The last layer's packet yields
+logits for the refreshed positions in the block's LM-head pass (:class:`~polestar.state.UpdatePacket`), which the
+engine hands to the commit rule as ``DecodeState.packet``; only a commit rule that reads it (Polestar-Commit) has
+the last layer recompute members at all (:meth:`PolestarRefresh.refreshes_layer`): with any other rule those rows
+would feed nothing. Per-generation state lives in a :class:`PolestarRefreshState`.
+
+This module is the selector (config, phase, plan, buffers); the per-layer work of a block start and of an update
+step is its hooks', in :mod:`polestar.policies.polestar_hooks` (which also gives the call path of one layer).
 
 Shapes: window ``Nw = (prefix_blocks + suffix_blocks) * block_length`` columns; centroids ``[B, K, d]``; proxy
 distributions ``[B, H, K, T + 1]``; drift ``[B, K]``; member buffer ``[B, M_l]`` per layer.
@@ -36,18 +39,17 @@ import torch
 from attrs import validators as v
 
 from polestar.kernels.kmeans import init_keys
-from polestar.models.backbone import ExtraRows, LayerQKV
-from polestar.models.layers import Rotary
+from polestar.models.layer_ops import LayerOps
 from polestar.models.plan import DecodeCache, Plan, span_plan
-from polestar.profiling import scope
 from polestar.registry import register
-from polestar.stages import LayerHook, RefreshSelector
-from polestar.state import ClusterDrift, DecodeState, StepPosition
+from polestar.stages import RefreshSelector
+from polestar.state import DecodeState, StepPosition
 from polestar.streams import SideStream
 
+from .polestar_hooks import PolestarBuildHook, PolestarMembers
 from .refresh_basic import block_plan, block_start_plan
 from .row_store import RowStore
-from .sparse_update import MemberStrategy, Packet, Selection, SparseUpdate, Window, make_window, to_capacity
+from .sparse_update import SparseUpdate, Window, make_window
 
 
 def window_parts_of(n_prefix: int, size: int, n_clusters: int) -> list[tuple[int, int, int]]:
@@ -62,20 +64,6 @@ def window_parts(window: Window, n_clusters: int) -> list[tuple[int, int, int]]:
     return window_parts_of(window.n_prefix, window.size, n_clusters)
 
 
-def enabled_clusters(ks: tuple[int, ...], k_max: int, batch: int, device: torch.device) -> torch.Tensor:
-    """``[len(ks) * batch, k_max]`` bool: per window part (``ks`` its cluster counts) and row, which of the
-    ``k_max`` cluster slots the part uses."""
-    return torch.cat([(torch.arange(k_max, device=device) < k).expand(batch, -1) for k in ks])
-
-
-def pad_columns(t: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """``t [B, m, ...]`` padded with ``fill`` to ``[B, n, ...]`` along dim 1 (``n ≥ m``)."""
-    pad = n - t.shape[1]
-    if pad == 0:
-        return t
-    return torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], dim=1)
-
-
 def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
     """Clusters for the prefix and suffix parts, proportional to their lengths (authors' rule), each ≤ its size."""
     if n_pre == 0:
@@ -84,24 +72,6 @@ def split_clusters(total: int, n_pre: int, n_post: int) -> tuple[int, int]:
         return min(max(1, total - 1), n_pre), 0
     k_pre = min(total - 1, max(1, total * n_pre // (n_pre + n_post)))
     return min(k_pre, n_pre), min(total - k_pre, n_post)
-
-
-#: drifts are ranked on a grid of this step: differences below it are rounding noise (they change with the
-#: batch's matmul shapes and with a compiler's fusion), and a tie goes to the lower cluster index
-DRIFT_RESOLUTION = 2.0**-20
-
-
-def cluster_ranks(drift: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rank of each cluster by drift, 0 = most drifting, empty clusters last: ``drift, counts [B, K]`` → long
-    ``[B, K]``. Drifts are compared on a grid of :data:`DRIFT_RESOLUTION`; ties go to the lower cluster index."""
-    scores = torch.round(drift.float() / DRIFT_RESOLUTION).masked_fill(counts == 0, float("-inf"))
-    return scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
-
-
-def top_clusters(drift: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` most drifting non-empty clusters of each row: ``drift, counts [B, K]`` → bool ``[B, K]``.
-    Ties go to the lower cluster index, so a larger ``k`` always selects a superset."""
-    return (cluster_ranks(drift, counts) < min(k, drift.shape[1])) & (counts > 0)
 
 
 def member_capacity(window: int, k: int, n_clusters: int, capacity: float) -> int:
@@ -155,8 +125,8 @@ class PolestarRefresh(RefreshSelector):
                                     due=torch.zeros(B, dtype=torch.bool, device=device))
 
     def begin_generation(self, local: PolestarRefreshState, state: DecodeState, cache: DecodeCache, model) -> None:
-        """The keys' inverse rotation for :func:`proxy_probs` (cos, -sin of this generation's cache positions), into
-        its buffers (allocated with the first generation)."""
+        """The keys' inverse rotation for :func:`~polestar.policies.polestar_hooks.proxy_probs` (cos, -sin of this
+        generation's cache positions), into its buffers (allocated with the first generation)."""
         if self.config.proxy_rope:
             return
         cos, sin = model.rotary.cos_sin(cache.positions)
@@ -231,13 +201,14 @@ class PolestarRefresh(RefreshSelector):
         phase: PolestarPhase = state.phase.refresh
         if phase.kind == "build":  # the block's first forward: cluster and store the window at every layer
             plan_start = state.clock.block_start - state.logit_shift - plan.target_offset
-            return _BuildHook(self, state, plan_start, cache, model, local)
+            return PolestarBuildHook(self, state, plan_start, cache, LayerOps(model), local)
         if phase.kind != "update":  # no row is due for an update (decided on the device, read with the loop's)
             return None
         # the block start's side-stream work (storing the window) must finish before this step reads the stores
         local.side.join()
-        strategy = _PolestarMembers(self, state, cache, model, local)
-        return SparseUpdate(strategy, model, cache, state.batch_size, state.x.device)
+        ops = LayerOps(model)
+        strategy = PolestarMembers(self, state, cache, ops, local)
+        return SparseUpdate(strategy, ops, cache, state.batch_size, state.x.device)
 
     def window(self, state: DecodeState, cache: DecodeCache) -> Window:
         """The current block's :class:`Window` (its suffix width from the step's phase)."""
@@ -329,8 +300,9 @@ class PolestarRefreshState:
 
     ``side``: the side stream of the block-start work; ``since``: ``[B]`` tokens committed since each row's last
     update; ``due``: ``[B]`` rows due for an update at the next step (both reset at each block start);
-    ``key_rope``: cos, -sin ``[B, 1, T + 1, hd]`` of the cache positions for :func:`proxy_probs`, written once per
-    generation (None with ``proxy_rope``); ``windows``: the :class:`WindowBuffers` of each window suffix width met so
+    ``key_rope``: cos, -sin ``[B, 1, T + 1, hd]`` of the cache positions for
+    :func:`~polestar.policies.polestar_hooks.proxy_probs`, written once per generation (None with ``proxy_rope``);
+    ``windows``: the :class:`WindowBuffers` of each window suffix width met so
     far, and ``current`` the current block's (set on the host when the block starts; None for an empty window).
     """
 
@@ -340,231 +312,3 @@ class PolestarRefreshState:
     key_rope: tuple | None = None
     windows: dict = attrs.field(factory=dict)
     current: WindowBuffers | None = None
-
-
-def proxy_probs(model, cache: DecodeCache, layer: int, key_rope: tuple | None, q: torch.Tensor, meter) -> torch.Tensor:
-    """Centroid queries ``q [B, H, R, hd]`` scored against ``layer``'s keys → fp32 ``[B, H, R, T+1]``
-    (:meth:`~polestar.models.backbone.DiffusionLM.attention_probs`). The keys are the cached (rotated) ones when
-    ``key_rope`` is None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos and
-    -sin ``[B, 1, T + 1, hd]`` of the cache positions, the inverse rotation), as the authors' released code scores
-    un-rotated centroid queries against un-rotated keys; that pass reads the keys once more, and ``meter`` counts
-    it."""
-    keys = cache.k[layer]
-    if key_rope is not None:
-        if meter is not None:
-            meter.attention(keys, None)  # the pass that undoes the rotary embedding
-        cos, neg_sin = key_rope
-        keys = Rotary.apply(keys, cos, neg_sin)
-    return model.attention_probs(q, keys, cache.key_valid, meter)
-
-
-class _BuildHook(LayerHook):
-    """Block start: cluster the window's inputs at every layer, store them (residuals to their centroid) and their
-    queries, and record the centroids' proxy distributions.
-
-    The window rows' queries go to the query store at each layer (:meth:`members`). Clustering and the proxy
-    distributions then take one of two routes (:meth:`PolestarRefresh.clusters_together`):
-
-    * each layer inside its pass: the layer's window is clustered in :meth:`extra_rows`, its centroids ride along
-      the layer's q pass as query-only rows, and after the layer's K/V writes their attention over the keys
-      becomes ``prev``;
-    * all layers together: each layer's window inputs are kept, and once the last layer has written its K/V, one
-      clusterer call clusters every layer's window (the layers' parts stacked as groups ``[L * P * B, n]``), then
-      each layer's centroid queries take a q pass of their own (:meth:`~polestar.models.backbone.DiffusionLM.
-      project_queries`) and their attention becomes ``prev``.
-
-    The clusterer's random initial keys are drawn at the block start, before the step
-    (:meth:`PolestarRefresh.allocate`), so the whole block start runs inside the compiled step.
-    """
-
-    def __init__(self, sel: PolestarRefresh, state, plan_start, cache, model, local: PolestarRefreshState):
-        self.sel, self.state, self.cache, self.model, self.local = sel, state, cache, model, local
-        self.buffers: WindowBuffers = local.current
-        self.window = window = sel.window(state, cache)
-        B = state.batch_size
-        self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
-        spec = model.spec
-        self.q_slots = self.slots[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
-        self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
-        self.parts = self.buffers.parts
-        self.rope_pos = cache.positions.index_select(1, window.positions)
-        self.together = sel.clusters_together(state.x.device)
-        self.inputs: list[torch.Tensor] = []  # each layer's window inputs [B, Nw, d], kept when clustering together
-
-    def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
-        """``hw [n, B, Nw, d]`` (``n`` layers), ``keys [n, P, m]`` (one key row per layer and part, shared by the
-        batch) or None → ``centroids [n, B, K, d]``,
-        ``labels [n, B, Nw]`` (window-wide cluster ids, -1 invalid), ``counts [n, B, K]``. The prefix and suffix
-        parts of every layer are clustered separately, in one clusterer call: each (layer, part) is a group of its
-        own, padded to the longer part (padding invalid) with the clusters it lacks disabled."""
-        parts = self.parts
-        n, B, Nw, d = hw.shape
-        P = len(parts)
-        n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
-        flat = hw.reshape(n * B, Nw, d).float()
-        x = torch.stack([pad_columns(flat[:, lo:hi], n_max, 0.0).view(n, B, n_max, d) for lo, hi, _k in parts], 1)
-        ok = torch.cat([pad_columns(self.window.valid[:, lo:hi], n_max, False) for lo, hi, _k in parts])
-        groups = n * P * B
-        seeds = None if keys is None else keys[:, :, None, :].expand(n, P, B, n_max).reshape(groups, n_max)
-        k_valid = enabled_clusters(tuple(k for _lo, _hi, k in parts), k_max, B, hw.device).repeat(n, 1)
-        with scope("cluster"):
-            c, lab, cnt = self.sel.clusterer.cluster(x.reshape(groups, n_max, d), k_max, ok.repeat(n, 1), None,
-                                                     seeds, k_valid=k_valid)
-        c, lab, cnt = c.view(n, P, B, k_max, d), lab.view(n, P, B, n_max), cnt.view(n, P, B, k_max)
-        centroids, labels, counts, offset = [], [], [], 0
-        for i, (lo, hi, k) in enumerate(parts):
-            centroids.append(c[:, i, :, :k])
-            counts.append(cnt[:, i, :, :k])
-            part_labels = lab[:, i, :, : hi - lo]
-            labels.append(torch.where(part_labels >= 0, part_labels + offset, -1))
-            offset += k
-        return torch.cat(centroids, dim=2).to(hw.dtype), torch.cat(labels, dim=2), torch.cat(counts, dim=2)
-
-    def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows and
-        write their clusters into the window's buffers; → the centroids ``[n, B, K, d]`` and their RoPE positions
-        ``[n, B, K]``."""
-        local, buf = self.local, self.buffers
-        centroids, labels, counts = self._cluster(hw, keys)
-        if self.sel.config.proxy_rope:  # the members' mean position
-            onehot = torch.nn.functional.one_hot(labels.clamp_min(0), centroids.shape[2]).float()
-            onehot = onehot * (labels >= 0)[..., None].float()
-            centroid_pos = (torch.einsum("nbwk,bw->nbk", onehot, self.rope_pos.float())
-                            / counts.clamp_min(1)).round().long()
-        else:  # rotary at position 0 is the identity: un-rotated centroid queries
-            centroid_pos = torch.zeros(counts.shape, dtype=torch.long, device=counts.device)
-        anchor = None
-        if not buf.store.quant.lossless:  # a lossy store keeps residuals to each member's centroid
-            anchor = centroids.gather(2, labels.clamp_min(0)[..., None].expand(-1, -1, -1, hw.shape[-1]))
-        for i in range(hw.shape[0]):
-            with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
-                buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
-        layers = slice(first, first + hw.shape[0])
-        buf.centroids[layers].copy_(centroids)
-        buf.labels[layers].copy_(labels)
-        buf.counts[layers].copy_(counts)
-        buf.centroid_pos[layers].copy_(centroid_pos)
-        return centroids, centroid_pos
-
-    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
-        hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
-        if self.together:
-            self.inputs.append(hw)
-            return None
-        keys = None if self.buffers.keys is None else self.buffers.keys[layer : layer + 1]
-        centroids, centroid_pos = self._record(layer, hw[None], keys)
-        if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
-            return None
-        return ExtraRows(centroids[0], centroid_pos[0], torch.full_like(centroid_pos[0], self.cache.trash))
-
-    def members(self, layer: int, qkv: LayerQKV) -> None:
-        local, C = self.local, qkv.n_plan
-        B, H, _, hd = qkv.q.shape
-        q_window = qkv.q.gather(2, self.q_slots)  # the window's slots lie among the plan's C rows
-        with local.side.run(q_window), scope("store"):
-            self.buffers.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
-        if not self.together:
-            if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
-                return None
-            with scope("proxy_attention"):
-                self.buffers.prev[layer].copy_(proxy_probs(self.model, self.cache, layer, local.key_rope,
-                                                           qkv.q[:, :, C:], qkv.meter))
-        elif layer == self.model.spec.n_layers - 1:  # every layer's K/V is written: cluster them all at once
-            self._cluster_all(qkv.meter)
-        return None
-
-    def _cluster_all(self, meter) -> None:
-        """Cluster every layer's kept window inputs in one clusterer call, then score each layer's centroid queries
-        (a pass over the layer's q weight of their own) against its keys."""
-        local, model = self.local, self.model
-        centroids, centroid_pos = self._record(0, torch.stack(self.inputs), self.buffers.keys)
-        self.inputs.clear()
-        for layer in range(model.spec.n_layers):
-            if not self.sel.refreshes_layer(layer, model.spec.n_layers):
-                continue
-            positions = centroid_pos[layer] if self.sel.config.proxy_rope else None
-            q = model.project_queries(layer, centroids[layer], positions, meter)
-            with scope("proxy_attention"):
-                self.buffers.prev[layer].copy_(proxy_probs(model, self.cache, layer, local.key_rope, q, meter))
-
-
-class _PolestarMembers(MemberStrategy):
-    """Polestar's member choice at a sparse-update step (see the module docstring): query-only rows are the layer's
-    centroids; members are the window rows of the top drifting clusters, queries from the query store. ``local.due [B]``:
-    rows that update at this step (the others choose no member)."""
-
-    wants_old = True
-
-    def __init__(self, sel: PolestarRefresh, state, cache, model, local: PolestarRefreshState):
-        self.sel, self.cache, self.model, self.local, self.due = sel, cache, model, local, local.due
-        self.buffers = buf = local.current
-        self.window = window = sel.window(state, cache)
-        self.store = buf.store
-        self.trash = window.size
-        self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
-        self.capacity = sel.capacities(window.size, model.spec.n_layers)
-        self.wants_head = sel.packet_logits
-        self.x = state.x
-        self.n_kv = 0
-        self.detail = state.detail
-
-    def slots(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.row_slot[rows]
-
-    def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
-        """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""
-        buf = self.buffers
-        labels = buf.labels[layer].gather(1, packet.rows.clamp(max=self.trash - 1))
-        k_clusters = buf.centroids.shape[2]
-        keep = (packet.valid & (labels >= 0))[..., None].to(old.dtype)
-        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype) * keep
-        delta = torch.einsum("bmk,bmd->bkd", onehot, packet.out.to(old.dtype) - old)
-        counts = buf.counts[layer].clamp_min(1)[..., None].to(old.dtype)
-        buf.centroids[layer].add_((delta / counts).to(buf.centroids.dtype))
-
-    def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
-                   meter) -> ExtraRows | None:
-        buf = self.buffers
-        self.n_kv = 0 if kv is None else kv.inputs.shape[1]
-        if not self.sel.refreshes_layer(layer, self.model.spec.n_layers):
-            return kv
-        pos = buf.centroid_pos[layer]
-        proxies = ExtraRows(buf.centroids[layer], pos, torch.full_like(pos, self.cache.trash))
-        if kv is None:
-            return proxies
-        return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(kv, proxies)))
-
-    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
-        local, buf, sel, model = self.local, self.buffers, self.sel, self.model
-        if not sel.refreshes_layer(layer, model.spec.n_layers):
-            return None
-        B, H, _, hd = qkv.q.shape
-        q_extra = qkv.q[:, :, qkv.n_plan:]
-        if packet is not None:  # the packet rows' new queries, from this layer's pass, replace the stored ones
-            q_packet = q_extra[:, :, : self.n_kv]
-            with scope("store"):
-                buf.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
-        with scope("proxy_attention"):
-            cur = proxy_probs(model, self.cache, layer, local.key_rope, q_extra[:, :, self.n_kv:], qkv.meter)
-        with scope("drift"):
-            drift = sel.drift.score(cur, buf.prev[layer])
-        buf.prev[layer].copy_(torch.where(self.due[:, None, None, None], cur, buf.prev[layer]))
-        k = sel.config.topk_last if layer == model.spec.n_layers - 1 else sel.config.topk
-        counts = buf.counts[layer]
-        rank = cluster_ranks(drift, counts)
-        labels = buf.labels[layer]
-        label_rank = rank.gather(1, labels.clamp_min(0))
-        chosen = (label_rank < min(k, rank.shape[1])) & (counts.gather(1, labels.clamp_min(0)) > 0)
-        member = self.window.valid & (labels >= 0) & chosen & self.due[:, None]
-        rows, valid = to_capacity(member, label_rank, self.capacity[layer], self.trash)
-        if self.detail is not None:  # an observer records: every cluster's drift and the chosen ones
-            chosen_clusters = (rank < min(k, rank.shape[1])) & (counts > 0) & self.due[:, None]
-            self.detail.clusters[layer] = ClusterDrift(drift, counts, chosen_clusters, self.window.positions, labels)
-        with scope("store"):
-            q = buf.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
-        inputs = None
-        if layer == 0:  # layer 0's input is the token embedding: read it, not the store
-            tokens = self.x.gather(1, self.slots(rows).clamp(max=self.x.shape[1] - 1))  # trash slots: any token
-            inputs = model.embed(tokens)
-            qkv.meter.embedding(model.embedding_weight(), tokens.numel())
-        return Selection(rows, valid, q, inputs)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from polestar.models.backbone import ExtraRows, LayerQKV, MemberRows
+from polestar.models.layer_ops import LayerOps
 from polestar.models.plan import DecodeCache
 from polestar.stages import LayerHook
 
@@ -59,7 +60,8 @@ def make_window(block_start: int | torch.Tensor, block_length: int, shift: int, 
     return Window(positions, valid, prefix)
 
 
-def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int, trash: int) -> tuple[torch.Tensor, torch.Tensor]:
+def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int,
+                trash: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the chosen rows into a fixed-capacity buffer.
 
     ``member [B, N]`` bool, ``priority [B, N]`` (lower first; ties keep column order) → ``rows [B, capacity]`` long
@@ -152,13 +154,16 @@ class SparseUpdate(LayerHook):
     layer's q/k/v pass (:meth:`extra_rows`); the strategy picks members from what the pass shows it
     (:meth:`members`); their outputs become the next layer's packet (:meth:`after_layer`). ``evals [B]``: valid
     members per sequence, summed over layers (rows through the MLP, as ``token_layer_evals`` counts them; the
-    packet's K/V re-projection rides along as a query-only row). With ``strategy.wants_head`` the last layer's members are
-    exposed as ``head_rows [B, M, d]`` (with ``head_positions``, ``head_valid [B, M]``) for the LM head.
+    packet's K/V re-projection rides along as a query-only row). With ``strategy.wants_head`` the last layer's
+    members are exposed as ``head_rows [B, M, d]`` (with ``head_positions``, ``head_valid [B, M]``) for the LM head.
+    ``ops``: the model operations it runs (:class:`~polestar.models.layer_ops.LayerOps`: members' queries the
+    strategy did not give).
     """
 
-    def __init__(self, strategy: MemberStrategy, model, cache: DecodeCache, batch: int, device, compilable: bool = True):
-        self.strategy, self.model, self.cache = strategy, model, cache
-        self.n_layers = model.spec.n_layers
+    def __init__(self, strategy: MemberStrategy, ops: LayerOps, cache: DecodeCache, batch: int, device,
+                 compilable: bool = True):
+        self.strategy, self.ops, self.cache = strategy, ops, cache
+        self.n_layers = ops.spec.n_layers
         self.compilable = compilable
         self.packet_rows: Packet | None = None
         self.current: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -185,7 +190,7 @@ class SparseUpdate(LayerHook):
         q = sel.q
         if q is None:
             positions = self.cache.positions.gather(1, self.strategy.slots(sel.rows))
-            q = self.model.project_queries(layer, inputs, positions, qkv.meter)
+            q = self.ops.project_queries(layer, inputs, positions, qkv.meter)
         self.current = (sel.rows, sel.valid)
         self.evals += sel.valid.sum(-1)
         if self.detail is not None:  # an observer records: the members' cache positions

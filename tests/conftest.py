@@ -87,15 +87,17 @@ def shipped_models():
 
 @pytest.fixture
 def isolated_registry():
-    """Stages, policies and plugin modules (named ``hellinger*``, from docs/examples or from temporary files) a
-    test registers are removed afterwards (other tests see the built-ins)."""
+    """Stage kinds, stages, policies and plugin modules (named ``hellinger*``, from docs/examples or from temporary
+    files) a test registers are removed afterwards (other tests see the built-ins)."""
     stages = {kind: dict(table) for kind, table in registry._REGISTRY.items()}
+    kinds = dict(registry.KINDS)
     policies, origins = dict(policy._POLICIES), dict(policy._ORIGINS)
     modules = set(sys.modules)
     yield
-    for kind, table in stages.items():
-        registry._REGISTRY[kind].clear()
-        registry._REGISTRY[kind].update(table)
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(stages)
+    registry.KINDS.clear()
+    registry.KINDS.update(kinds)
     policy._POLICIES.clear()
     policy._POLICIES.update(policies)
     policy._ORIGINS.clear()

@@ -8,7 +8,7 @@ import torch
 import polestar
 from polestar import presets
 from polestar.api import DEFAULT_LENGTHS, length_defaults
-from polestar.bench.tasks import get_task
+from polestar.tasks import get_task
 from polestar.testing import tiny_model
 
 

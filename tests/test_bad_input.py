@@ -14,12 +14,12 @@ import torch
 
 import polestar
 from polestar.bench.harness import check_problem_args
-from polestar.bench.tasks import get_task, split, task_names
 from polestar.cli import build_parser, main
 from polestar.cli_checks import UsageError
 from polestar.models.loading import build_model, save_model
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
 from polestar.stats import RunStats, SequenceStats, compile_seconds
+from polestar.tasks import get_task, split, task_names
 from tests.conftest import make_model
 
 
@@ -77,7 +77,7 @@ GEN = ["generate", "--model", "tiny-llada", "--gen-length", "16", "--block-lengt
 BENCH = ["bench", "--model", "tiny-llada", "--n", "1", "--gen-length", "16", "--block-length", "8"]
 
 
-# ----------------------------------------------------------------------------- the cases listed in the issue
+# ----------------------------------------------------------------------------- bad flags, files and devices
 
 
 def test_device_cuda_without_cuda(capsys, no_work, monkeypatch):
@@ -181,7 +181,8 @@ def test_option_the_single_policy_lacks(capsys, no_work):
     code, line = run(capsys, [*BENCH, "--policies", "baseline,parallel", "--set", "topk=3"])
     assert code == 2 and "'topk'" in line
     args = build_parser().parse_args([*BENCH, "--policies", "baseline,parallel", "--set", "threshold=0.5"])
-    assert check_problem_args(args, {"threshold": 0.5}, {"gen_length": 16, "block_length": 8}) == ["baseline", "parallel"]
+    assert check_problem_args(args, {"threshold": 0.5},
+                              {"gen_length": 16, "block_length": 8}) == ["baseline", "parallel"]
 
 
 def test_option_of_wrong_type_names_key(capsys, no_work):
@@ -232,7 +233,7 @@ def test_debug_shows_traceback(capsys, no_work):
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --device")
 
 
-# ----------------------------------------------------------------------------- also in the issue's deliver list
+# ----------------------------------------------------------------------------- bad options, layouts and prompts
 
 
 def test_out_of_range_option_names_key_and_range(capsys, no_work):

@@ -2,7 +2,7 @@
 official code.
 
 Token identity of the references with the official dLLM-Cache and Elastic-Cache code is measured outside the repository
-(issue 34's side-by-side run, 100 arith problems per setting); these tests pin what the references must keep doing:
+(a side-by-side run, 100 arith problems per setting); these tests pin what the references must keep doing:
 where each method reduces to plain decoding, how its rows are counted, the sliding window, the trigger's extremes,
 the EOS rule, and that a batch row decodes as if alone. Small sizes keep the file to a few seconds.
 """

@@ -105,7 +105,7 @@ def test_huge_n_is_refused_naming_the_limit(task, n, limit, no_decoding, capsys)
 
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
-    from polestar.bench.item_log import write_atomic
+    from polestar.output_files import write_atomic
 
     path = tmp_path / "summary.json"
     write_atomic(path, "old")

@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 import polestar
 from polestar.bench.harness import load_problems
-from polestar.bench.tasks import get_task
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit, PolestarCommitState
 from polestar.policies.commit_basic import ThresholdCommit
 from polestar.state import DecodeState, Prediction, StepClock, StepPhase, UpdatePacket
+from polestar.tasks import get_task
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]
@@ -32,7 +32,8 @@ def test_higher_threshold_commits_a_subset(conf, masked, t1, t2):
     masked = torch.tensor([masked])
     if not masked.any():
         return
-    pred = Prediction(torch.zeros(1, 6, dtype=torch.long), torch.tensor([conf], dtype=torch.float64), torch.zeros(1, 6, 4))
+    pred = Prediction(torch.zeros(1, 6, dtype=torch.long), torch.tensor([conf], dtype=torch.float64),
+                      torch.zeros(1, 6, 4))
     state = _state(batch=1, bl=6)
     for rule in (ThresholdCommit, PolestarCommit):
         extra = {} if rule is ThresholdCommit else {"min_confidence": 0.0}

@@ -9,12 +9,12 @@ import torch
 import polestar
 from polestar import registry
 from polestar.bench.harness import load_problems
-from polestar.bench.tasks import get_task
 from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import token_entropy
 from polestar.policy import get_policy, policy_names
 from polestar.state import DecodeState, StepClock, StepPhase, StepPosition, propose, token_log_probs
 from polestar.step import forced_commits, predict
+from polestar.tasks import get_task
 
 V, MASK, BL = 40, 39, 16
 RULES = registry.names("commit")

@@ -6,7 +6,7 @@ from torch._dynamo.utils import counters
 
 import polestar
 from polestar.bench.harness import load_problems
-from polestar.bench.tasks import get_task
+from polestar.tasks import get_task
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4]]

@@ -15,6 +15,7 @@ from polestar.api import encode_prompts
 from polestar.config import GenerationConfig
 from polestar.engine import decode, release_generation, start_generation
 from polestar.models.cost import CostMeter
+from polestar.models.layer_ops import LayerOps
 from polestar.policy import assemble
 from polestar.state import StepPhase
 from tests.conftest import make_model
@@ -130,7 +131,7 @@ def test_the_value_pick_takes_the_changed_values_and_no_unchanged_one(seed, rati
         B, P, T, G = state.batch_size, state.prompt_len, state.length, 16
         h = torch.randn(B, T, model.spec.d_model, generator=g)
         layer = 1
-        fresh = model.project_values(layer, h[:, P:], CostMeter())
+        fresh = LayerOps(model).project_values(layer, h[:, P:], CostMeter())
         n_pick = int(G * ratio)
         changed = torch.stack([torch.randperm(G, generator=g)[:n_pick] for _ in range(B)])  # [B, n_pick]
         cached = fresh.clone()

@@ -23,11 +23,15 @@ REGISTERS = {
     "cluster_stride": ("cluster", "stride"), "commit_same_twice": ("commit", "same-twice"),
     "drift_hellinger": ("drift", "hellinger"), "offload_host": ("offload", "host"), "quant_int8": ("quant", "int8"),
     "refresh_lookahead": ("refresh", "lookahead"), "policy_hellinger": ("policy", "polestar-hellinger"),
+    "kind_confidence": ("confidence", "margin"),
 }
+
+#: the stage kind an example declares
+DECLARES = {"kind_confidence": "confidence"}
 
 
 def test_every_stage_kind_has_an_example():
-    assert {kind for kind, _ in REGISTERS.values()} == set(registry.KINDS) | {"policy"}
+    assert {kind for kind, _ in REGISTERS.values()} == set(registry.KINDS) | {"policy"} | set(DECLARES.values())
     assert sorted(p.stem for p in EXAMPLES) == sorted(REGISTERS)
 
 
@@ -35,6 +39,8 @@ def test_every_stage_kind_has_an_example():
 def test_example_runs(path, isolated_registry, capsys):
     runpy.run_path(str(path), run_name="__main__")
     kind, name = REGISTERS[path.stem]
+    if path.stem in DECLARES:
+        assert DECLARES[path.stem] in registry.KINDS
     assert name in (policy.policy_names() if kind == "policy" else registry.names(kind))
     assert capsys.readouterr().out.strip()
 

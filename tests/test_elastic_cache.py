@@ -62,6 +62,19 @@ def test_a_mixed_length_batch_is_the_released_code_row_by_row(name, setting):
     assert sum(s.token_layer_evals for s in out.stats.sequences) <= 1.15 * sum(s["rows"] for s in stats)
 
 
+@pytest.mark.parametrize("name", ("tiny-llada", "tiny-dream"))
+def test_a_prompt_longer_than_the_generation_is_the_released_code(name):
+    """The tracked tokens are picked among the prompt and the decoded positions of a sequence whose prompt is
+    longer than its generation (8 tokens after a 15-character prompt)."""
+    model, prompt = _model(name), ["arith:3+4*2-5+1="]
+    out = polestar.generate(model, prompt, policy="elastic-cache", gen_length=8, block_length=8, threshold=0.9,
+                            stop_at_eos=False, window_length=4, eos_id=OFFICIAL_EOS)
+    ids, mask = polestar.api.encode_prompts(model, prompt)
+    want, _ = elastic_cache_generate(model, ids, mask, gen_length=8, window_length=4, threshold=0.9)
+    assert out.prompt_len > 8
+    assert out.tokens[:, out.prompt_len:].tolist() == want[:, out.prompt_len:].tolist()
+
+
 @pytest.mark.parametrize("name", ("tiny-llada-noisy", "tiny-dream"))
 def test_one_prompt_at_a_time_equals_the_batch(name):
     model = _model(name)

@@ -1,4 +1,5 @@
-"""Decoding loop and the issue-2 policies against naive restatements of LLaDA's and Fast-dLLM's loops."""
+"""Decoding loop and the first four policies (baseline, parallel, fast-dllm-prefix, fast-dllm) against naive
+restatements of LLaDA's and Fast-dLLM's loops."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
 """Invariants of every registered drift and quant stage, fuzzed with hypothesis.
 
 The checks are :mod:`polestar.testing`'s (the ones ``check_stage`` runs on an outside stage), here on inputs drawn by
-hypothesis. Parametrized from ``polestar.registry.names(kind)``, so a newly registered stage is covered without editing this
-file (a quant format must add its error bound to ``QUANT_BOUNDS``; an unknown format fails loudly).
+hypothesis. Parametrized from ``polestar.registry.names(kind)``, so a newly registered stage is covered without
+editing this file (a quant format must add its error bound to ``QUANT_BOUNDS``; an unknown format fails loudly).
 
 * drift: ``score(cur, prev) [B, R]`` is finite and ≥ 0; it is 0 when ``cur == prev`` — or, for a metric that
   ignores ``prev`` (the uncertainty ablation: entropy of ``cur``), 0 on one-hot distributions.

@@ -24,8 +24,8 @@ from bench.gpu.check import Budget, GraphEvents, main
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_SH = ROOT / "bench" / "gpu" / "check.sh"
 #: the smaller --tiny variant the end-to-end runs take
-SMALL = ["--tiny", "--device", "cpu", "--batches", "1", "--prompt", "4", "--gen", "8", "--policies", "baseline,polestar",
-         "--compile-policies", "polestar"]
+SMALL = ["--tiny", "--device", "cpu", "--batches", "1", "--prompt", "4", "--gen", "8",
+         "--policies", "baseline,polestar", "--compile-policies", "polestar"]
 
 
 @pytest.fixture
@@ -149,7 +149,8 @@ def test_graph_events_count_replays_recordings_and_skips(monkeypatch):
     assert calls == [("replay", "g1"), ("replay", "g2"), ("replay", "g1"), ("capture", "g3")]
     assert counters["inductor"]["cudagraph_skips"] == skips_before + 1
     assert (torch.cuda.CUDAGraph.replay, torch.cuda.CUDAGraph.capture_begin) == (replay, capture)
-    assert cudagraph_trees.log_cudagraph_skip_and_bump_counter is logger is cudagraph_utils.log_cudagraph_skip_and_bump_counter
+    assert (cudagraph_trees.log_cudagraph_skip_and_bump_counter is logger
+            is cudagraph_utils.log_cudagraph_skip_and_bump_counter)
 
 
 def test_budget_skips_rows_once_spent(capsys):

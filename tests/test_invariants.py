@@ -31,7 +31,8 @@ def _model(family: str):
 prompts = st.lists(st.lists(st.integers(0, TINY["mask_id"] - 1), min_size=1, max_size=6), min_size=1, max_size=3)
 
 
-@pytest.mark.parametrize("policy,swap", CASES, ids=[f"{p}-{','.join(f'{k}={v}' for k, v in s.items())}" for p, s in CASES])
+@pytest.mark.parametrize("policy,swap", CASES,
+                         ids=[f"{p}-{','.join(f'{k}={v}' for k, v in s.items())}" for p, s in CASES])
 @settings(max_examples=3, deadline=None)
 @given(family=st.sampled_from(["llada", "dream"]), batch=prompts, block=st.sampled_from([4, 8]),
        n_blocks=st.integers(1, 3), threshold=st.floats(0.05, 0.95), seed=st.integers(0, 3), stop_at_eos=st.booleans())

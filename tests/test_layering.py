@@ -3,6 +3,7 @@
 The layers of the installed package:
 
 * ``polestar.kernels`` imports only itself (torch / triton outside the package);
+* ``polestar.tasks`` (the synthetic task suite) imports only itself;
 * ``polestar.models`` imports only itself and the kernels (never the benchmark, a policy or the core);
 * the core (the modules in ``polestar/``, except the façade ``polestar/__init__.py`` that wires the built-in
   stages in and the command line ``polestar/cli.py``) reaches no ``polestar.policies`` module;
@@ -176,6 +177,11 @@ def _core_modules() -> list[str]:
     )
 
 
+def _polestar_folder_modules() -> list[str]:
+    """Every module whose source lies under ``polestar/`` (the façade, the command line and subpackages too)."""
+    return sorted(m for m, path in package_modules().items() if (ROOT / "polestar") in path.parents)
+
+
 @pytest.mark.parametrize("name", sorted(package_modules()))
 def test_every_module_imports(name):
     assert importlib.import_module(name).__name__ == name
@@ -184,23 +190,24 @@ def test_every_module_imports(name):
 def test_module_discovery_covers_the_layers():
     modules = package_modules()
     for expected in ("polestar.registry", "polestar.engine", "polestar.policies.drift", "polestar.models.llada",
-                     "polestar.kernels.drift", "polestar.bench.tasks.arith", "polestar.training.train"):
+                     "polestar.kernels.drift", "polestar.tasks.arith", "polestar.training.train"):
         assert expected in modules
     assert {"polestar.registry", "polestar.policy", "polestar.engine", "polestar.api"} <= set(_core_modules())
+    assert {FACADE, CLI, "polestar.evaluation.tasks", "polestar.tracing.cli"} <= set(_polestar_folder_modules())
 
 
 def test_import_graph_resolves_each_import_form():
     graph = import_graph()
     assert "polestar.kernels.proxy_attention" in graph["polestar.models.backbone"]  # absolute from-import
     assert "polestar.models.plan" in graph["polestar.models.backbone"]  # relative from-import
-    assert "polestar.bench.tasks" in graph["polestar.training.train"]  # module imported by name
-    assert "polestar.bench.tasks.arith" in graph["polestar.training.train"]  # import inside a function
+    assert "polestar.tasks" in graph["polestar.training.train"]  # module imported by name
+    assert "polestar.tasks.arith" in graph["polestar.training.train"]  # import inside a function
     assert "polestar" in graph["polestar.training.train"]  # `import polestar` is the façade
     assert "polestar.policies" in graph["polestar"]  # the façade registers the built-in stages
     # importing a module of another package runs that package's __init__; one's own package is not an edge
     assert {"polestar.models", "polestar.models.loading"} <= graph["polestar.training.train"]
-    assert "polestar.bench.tasks.base" in graph["polestar.bench.tasks.arith"]
-    assert "polestar.bench.tasks" not in graph["polestar.bench.tasks.arith"]
+    assert "polestar.tasks.base" in graph["polestar.tasks.arith"]
+    assert "polestar.tasks" not in graph["polestar.tasks.arith"]
     # a cycle through two modules is found
     assert import_cycles({"a": frozenset({"b"}), "b": frozenset({"a"}), "c": frozenset()}) == [["a", "b"]]
 
@@ -218,6 +225,17 @@ def test_kernels_import_only_kernels():
 def test_models_import_no_benchmark_policy_or_core():
     bad = {m: sorted(d for d in reachable(m) if not (_in("polestar.models", d) or _in("polestar.kernels", d)))
            for m in package_modules() if _in("polestar.models", m)}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_tasks_import_only_tasks():
+    bad = {m: sorted(d for d in reachable(m) if not _in("polestar.tasks", d))
+           for m in package_modules() if _in("polestar.tasks", m)}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_polestar_folder_reaches_no_benchmark():
+    bad = {m: sorted(d for d in reachable(m) if _in("polestar.bench", d)) for m in _polestar_folder_modules()}
     assert {m: d for m, d in bad.items() if d} == {}
 
 

@@ -10,11 +10,11 @@ from lm_eval.api.instance import Instance
 
 import polestar
 from polestar.bench.harness import run_bench
-from polestar.bench.tasks import get_task
 from polestar.evaluation import lm_eval_model
 from polestar.evaluation.cli import run_lm_eval
 from polestar.evaluation.lm_eval_model import PolestarLM
 from polestar.evaluation.tasks import write_task_dir
+from polestar.tasks import get_task
 
 DECODING = dict(gen_length=64, block_length=16, steps=None, temperature=0.0, seed=0, stop_at_eos=True, compile=False)
 N = 8

@@ -16,12 +16,12 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
 import polestar
-from polestar.bench.tasks import get_task
 from polestar.evaluation.cli import expand_arguments
 from polestar.evaluation.lm_eval_model import PolestarLM  # registers --model polestar
 from polestar.evaluation.presets import PRESETS, get_preset
 from polestar.models.loading import resolve_checkpoint
 from polestar.presets import PAPER_OPTIONS
+from polestar.tasks import get_task
 
 PAPER_SHOTS = {"gsm8k": 5, "minerva_math": 4, "humaneval": 0, "mbpp": 3}
 

@@ -25,7 +25,8 @@ def saved(tmp_path_factory):
 
 def _file_tensors(directory):
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
     out = {}
     for name in files:
         with safe_open(directory / name, framework="pt") as f:

@@ -48,7 +48,8 @@ def test_agree_compares_runs_that_differ_in_one_setting(runs, capsys):
 def test_agree_refuses_runs_that_differ_in_more(runs, capsys):
     assert main(["agree", str(runs["exact"]), str(runs["lossy-bf16"])]) == 2
     err = capsys.readouterr().err
-    assert "differ in more than the compared setting" in err and "settings.dtype" in err and "--allow-differences" in err
+    assert ("differ in more than the compared setting" in err and "settings.dtype" in err
+            and "--allow-differences" in err)
     assert main(["agree", str(runs["exact"]), str(runs["lossy-bf16"]), "--allow-differences"]) == 0
 
 

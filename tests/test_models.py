@@ -1,4 +1,5 @@
-"""Backbones and their plan / cache paths against the naive per-layer forward of ``tests/reference.py``; strict\nHF-format loading."""
+"""Backbones and their plan / cache paths against the naive per-layer forward of ``tests/reference.py``; strict
+HF-format loading."""
 
 import json
 
@@ -127,8 +128,10 @@ def test_attention_probe_rows_sum_to_one_and_ignore_padding(model):
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, model.spec.n_heads, 2))
     assert probs[1, :, :, :3].abs().max() == 0 and probs[..., -1].abs().max() == 0
     from polestar.models.cost import CostMeter
+    from polestar.models.layer_ops import LayerOps
 
-    q = model.project_queries(1, torch.randn(2, 3, model.spec.d_model), torch.tensor([[0, 4, 9]] * 2), CostMeter())
+    q = LayerOps(model).project_queries(1, torch.randn(2, 3, model.spec.d_model), torch.tensor([[0, 4, 9]] * 2),
+                                        CostMeter())
     proxy = model.attention_probs(q, cache.k[1], cache.key_valid)
     torch.testing.assert_close(proxy.sum(-1), torch.ones(2, model.spec.n_heads, 3))
 

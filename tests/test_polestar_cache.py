@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 
 import polestar
 from polestar.bench.harness import load_problems
-from polestar.bench.tasks import get_task
-from polestar.policies.refresh_polestar import split_clusters, top_clusters
+from polestar.policies.polestar_hooks import top_clusters
+from polestar.policies.refresh_polestar import split_clusters
 from polestar.registry import names
+from polestar.tasks import get_task
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4, 6]]

@@ -54,7 +54,8 @@ def test_llada_15_fixture_is_the_instruct_files():
 
 def test_llada_added_tokens_are_contiguous_and_named():
     assert sorted(LLADA_ADDED_TOKENS) == list(range(126080, 126349))
-    assert LLADA_ADDED_TOKENS[126084] == "<|reserved_token_0|>" and LLADA_ADDED_TOKENS[126337] == "<|reserved_token_253|>"
+    assert (LLADA_ADDED_TOKENS[126084] == "<|reserved_token_0|>"
+            and LLADA_ADDED_TOKENS[126337] == "<|reserved_token_253|>")
 
 
 FAMILIES = ["llada", "dream"]

@@ -67,7 +67,8 @@ def test_settings_from_environment():
 
 
 def test_combine_rounds():
-    runs = [{"ms_per_step_mean": 4.0, "ms_per_step_min": 3.0, "nfe": 8}, {"ms_per_step_mean": 2.0, "ms_per_step_min": 1.5, "nfe": 8}]
+    runs = [{"ms_per_step_mean": 4.0, "ms_per_step_min": 3.0, "nfe": 8},
+            {"ms_per_step_mean": 2.0, "ms_per_step_min": 1.5, "nfe": 8}]
     assert rw.combine(runs) == {"ms_per_step_mean": 3.0, "ms_per_step_min": 1.5, "nfe": 8, "rounds": 2,
                                 "ms_per_step_std": pytest.approx(2 ** 0.5), "ms_per_step_rounds": [4.0, 2.0]}
 
@@ -100,7 +101,8 @@ def test_published_model_has_the_published_shapes_but_depth():
 
 def test_bench_stays_out_of_the_main_run():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]
+    assert (tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"]
+            == ["tests"])
 
 
 @pytest.mark.slow

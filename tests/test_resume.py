@@ -7,8 +7,9 @@ import pytest
 
 from polestar.bench import harness
 from polestar.bench.harness import format_table, run_bench
-from polestar.bench.item_log import check_writable, items_path
+from polestar.bench.item_log import items_path
 from polestar.cli import main
+from polestar.output_files import check_writable
 
 DECODING = dict(gen_length=32, block_length=16, steps=None, temperature=0.0, seed=0, stop_at_eos=True, compile=False)
 POLICIES = ["parallel", "fast-dllm"]

@@ -11,9 +11,10 @@ import stat
 import pytest
 
 from polestar.bench import frontier_table, sweep_table
-from polestar.bench.item_log import all_items_paths, write_atomic
+from polestar.bench.item_log import all_items_paths
 from polestar.bench.run_files import items_path, manifest_path, result_files, run_base
 from polestar.cli import main
+from polestar.output_files import write_atomic
 
 ARGS = ["bench", "--model", "tiny-llada", "--task", "arith", "--policies", "fast-dllm", "--n", "2", "--batch-size", "2",
         "--gen-length", "16", "--block-length", "16", "--quiet"]

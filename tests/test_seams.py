@@ -10,7 +10,8 @@ from polestar.cli import main
 
 @pytest.mark.parametrize("kind,name", [("drift", "js"), ("cluster", "chunks"), ("quant", "fp8"), ("offload", "cpu")])
 def test_a_swap_nothing_reads_is_an_error(kind, name):
-    readers = [f"{k} {n!r}" for k in registry.KINDS for n in registry.names(k) if kind in registry.lookup(k, n).requires]
+    readers = [f"{k} {n!r}" for k in registry.KINDS for n in registry.names(k)
+               if kind in registry.lookup(k, n).requires]
     with pytest.raises(ValueError) as err:
         polestar.assemble("fast-dllm", {kind: name})
     message = str(err.value)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import polestar
-from polestar.bench.tasks import get_task, split
 from polestar.models.loading import shipped_checkpoints
+from polestar.tasks import get_task, split
 
 #: the answer-noise rate the ``-noisy`` checkpoints were fine-tuned with (their model cards)
 ANSWER_NOISE = 0.15
@@ -63,7 +63,8 @@ def _teacher_forced_digit_confidence(model, task_name: str, n: int = 32, hide: f
         x[i, P - len(prompt) : P], att[i, : P - len(prompt)] = torch.tensor(prompt), False
         x[i, P : P + len(answer)] = torch.tensor(answer)
     digits = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
-    hidden = torch.isin(x, digits) & (torch.arange(P + G) >= P) & (torch.rand(x.shape, generator=torch.Generator().manual_seed(0)) < hide)
+    hidden = (torch.isin(x, digits) & (torch.arange(P + G) >= P)
+              & (torch.rand(x.shape, generator=torch.Generator().manual_seed(0)) < hide))
     with torch.no_grad():
         logits = model(x.masked_fill(hidden, model.spec.mask_id), att).float()
     conf = logits.softmax(-1).max(-1).values[hidden]

@@ -10,9 +10,9 @@ import pytest
 
 import polestar
 from polestar.bench import harness
-from polestar.bench.tasks import get_task
 from polestar.evaluation.counters import DecodingCounters
 from polestar.stats import RunStats, SequenceStats
+from polestar.tasks import get_task
 
 
 def _with_costs(stats: RunStats, salt: int) -> RunStats:

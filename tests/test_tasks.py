@@ -1,4 +1,4 @@
-"""Tests of the synthetic task suite (polestar.bench.tasks)."""
+"""Tests of the synthetic task suite (polestar.tasks)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from polestar.bench.tasks import (
+from polestar.tasks import (
     MAX_INPUT_CHARS,
     MAX_OUTPUT_CHARS,
     Problem,
@@ -19,9 +19,9 @@ from polestar.bench.tasks import (
     split,
     task_names,
 )
-from polestar.bench.tasks.base import PROMPT_WIDTH
-from polestar.bench.tasks.countdown import CountdownTask, parse_input, solutions
-from polestar.bench.tasks.sudoku import all_grids, completions, is_solved, parse_grid
+from polestar.tasks.base import PROMPT_WIDTH
+from polestar.tasks.countdown import CountdownTask, parse_input, solutions
+from polestar.tasks.sudoku import all_grids, completions, is_solved, parse_grid
 
 ALL = task_names()
 N = 150

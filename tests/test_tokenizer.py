@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from polestar.bench.tasks import get_task, split, task_names
 from polestar.models.tokenizer import (
     BASE_CHARS,
     EOS_TOKEN,
@@ -17,6 +16,7 @@ from polestar.models.tokenizer import (
     save,
     special_ids,
 )
+from polestar.tasks import get_task, split, task_names
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,8 @@ def test_figures_agree_with_the_records(small_model, name):
     for r in records:
         o = r.origins
         mine = {p: c for p, c in cells.items() if c.step == r.step}
-        suffix = set() if o.suffix is None else {int(p) for p, ok in zip(o.suffix.positions[0], o.suffix.commit[0]) if ok}
+        suffix = (set() if o.suffix is None
+                  else {int(p) for p, ok in zip(o.suffix.positions[0], o.suffix.commit[0]) if ok})
         cols = r.region[0].tolist()
         block = {cols[j] for j in range(o.rule.shape[1]) if o.block[0, j]}
         assert {p for p, c in mine.items() if c.origin == "suffix"} == suffix
@@ -104,9 +105,10 @@ def test_recomputed_positions_agree_with_the_records_and_the_counters(small_mode
     grid = fig.refresh
     for r in records:
         for layer in range(n_layers):
-            index, valid = r.plan.at(layer)
+            index, valid = r.detail.computed.get(layer, r.plan.at(layer))  # a feature cache computes some plan rows
             assert set(grid.computed[layer][r.step]) == _positions(index[0], valid[0])
-            members = set() if layer not in r.detail.refreshed else _positions(*(t[0] for t in r.detail.refreshed[layer]))
+            members = (set() if layer not in r.detail.refreshed
+                       else _positions(*(t[0] for t in r.detail.refreshed[layer])))
             assert set(grid.refreshed[layer][r.step]) == members
     # every row through a layer's MLP, counted by the engine, is a plan column or a sparse update's member
     drawn = sum(len(cols) for layer in grid.computed for cols in layer) + \

@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
-from polestar.bench.tasks import get_task
-from polestar.bench.tasks.arith import solve
-from polestar.bench.tasks.base import PROMPT_WIDTH
 from polestar.models.loading import load_model
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
+from polestar.tasks import get_task
+from polestar.tasks.arith import solve
+from polestar.tasks.base import PROMPT_WIDTH
 from polestar.training.train import (
     DEFAULT_MIXTURE,
     GEN,
@@ -142,8 +142,8 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
     tuned = tmp_path / "tuned"
     args = build_parser().parse_args([
         "--family", "llada", "--init", str(out), "--out", str(tuned), "--steps", "2", "--threads", "1",
-        "--batch", "4", "--tasks", "arith", "--facts-batch", "8", "--chain-facts", "4", "--prefix-frac", "0.5", "--eval-every", "0",
-        "--final-n", "0", "--no-progress",
+        "--batch", "4", "--tasks", "arith", "--facts-batch", "8", "--chain-facts", "4", "--prefix-frac", "0.5",
+        "--eval-every", "0", "--final-n", "0", "--no-progress",
     ])
     assert train(args)["model"].spec == model.spec
     with pytest.raises(ValueError, match="llada checkpoint but --family is dream"):

@@ -3,9 +3,9 @@
 Masked-diffusion objective (LLaDA, also used for the Dream variant since its logits are pre-shifted so that
 ``logits[:, i]`` predicts token ``i`` in both families):
 
-* a training sequence is the formatted prompt (``format_prompt`` pads every prompt with spaces to ``PROMPT_WIDTH`` characters, so
-  the answer always starts at the same position) followed by an answer region of exactly ``GEN`` tokens: the
-  answer characters, then EOS fill;
+* a training sequence is the formatted prompt (``format_prompt`` pads every prompt with spaces to ``PROMPT_WIDTH``
+  characters, so the answer always starts at the same position) followed by an answer region of exactly ``GEN``
+  tokens: the answer characters, then EOS fill;
 * per sequence ``t ~ U(eps, 1)`` (stratified over the batch); each answer-region token is replaced by the mask
   id independently with probability ``t``; prompt tokens are never masked;
 * loss = cross-entropy on the masked positions weighted by ``1/t`` and by a per-position weight (1 for answer
@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from polestar.bench.tasks import get_task, iter_split, split
 from polestar.models.loading import build_model, load_model, save_model
 from polestar.models.text import as_transformers_tokenizer
 from polestar.models.tokenizer import build_char_tokenizer, special_ids
+from polestar.tasks import get_task, iter_split, split
 
 #: Answer-region length (the benchmark generates 64 tokens).
 GEN = 64
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", choices=("llada", "dream"), required=True)
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--init", default=None,
-                   help="start from this checkpoint's weights and architecture (fine-tuning; the size flags are ignored)")
+                   help="start from this checkpoint's weights and architecture "
+                        "(fine-tuning; the size flags are ignored)")
     p.add_argument("--minutes", type=float, default=45.0, help="training time budget (wall clock, excl. final eval)")
     p.add_argument("--steps", type=int, default=None, help="fixed number of steps (lr schedule by steps, not time)")
     p.add_argument("--threads", type=int, default=1)
@@ -286,7 +287,7 @@ def facts_batch(tok, batch: int, rng: random.Random, mask_id: int) -> tuple[torc
     batch 64 to learn them in isolation, and far longer when they are only seen inside diffusion batches); the same
     relative layout ``a<op>b=r`` appears in every arith answer, so with rotary positions the table transfers.
     """
-    from polestar.bench.tasks.arith import solve
+    from polestar.tasks.arith import solve
 
     rows, target = [], []
     for _ in range(batch):
@@ -488,8 +489,8 @@ def train(args: argparse.Namespace) -> dict:
     train_time = time.time() - t0
     model.eval()
     save_model(model, out, tokenizer=tok)
-    log({"event": "trained", "steps": step, "train_time_s": round(train_time, 1), "probe_eval_time_s": round(eval_time, 1),
-         "final_loss_ema": ema})
+    log({"event": "trained", "steps": step, "train_time_s": round(train_time, 1),
+         "probe_eval_time_s": round(eval_time, 1), "final_loss_ema": ema})
     print(f"trained {step} steps in {train_time / 60:.1f} min; loss(ema) {ema:.4f}", flush=True)
     final = {}
     eval_s = 0.0
@@ -510,14 +511,16 @@ def write_model_card(out: Path, args: argparse.Namespace, model, summary: dict) 
     s = model.spec
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     name = out.name
-    cmd = "python -m polestar.training.train " + " ".join(sys.argv[1:]) if sys.argv and "train" in sys.argv[0] else "(programmatic)"
+    cmd = ("python -m polestar.training.train " + " ".join(sys.argv[1:]) if sys.argv and "train" in sys.argv[0]
+           else "(programmatic)")
     acc_rows = "\n".join(f"| {k} | {v * 100:.1f}% |" for k, v in summary["final_acc"].items()) or "| (not measured) | |"
     mix = ", ".join(f"{k}={v:g}" for k, v in args.tasks.items())
     text = f"""# {name}
 
 A tiny randomly-initialised **{ 'LLaDA' if s.family == 'llada' else 'Dream' }-architecture** masked diffusion LM trained
-from scratch on polestar's synthetic task suite (`polestar.bench.tasks`), shipped so that the decoding policies can
-be tested and benchmarked on CPU. It is *not* a port of the real {'LLaDA-8B' if s.family == 'llada' else 'Dream-7B'} weights.
+from scratch on polestar's synthetic task suite (`polestar.tasks`), shipped so that the decoding policies can
+be tested and benchmarked on CPU. It is *not* a port of the real \
+{'LLaDA-8B' if s.family == 'llada' else 'Dream-7B'} weights.
 
 Load with `polestar.load("{name}")` (or `polestar.models.loading.load_model("{name}")`).
 
@@ -593,7 +596,8 @@ def evaluate_checkpoint(out: str | Path, n: int = 200, threads: int = 1) -> dict
     acc = evaluate(model, list(DEFAULT_MIXTURE), n, seed=0)
     eval_s = time.time() - te
     with (out / "train_log.jsonl").open("a") as f:
-        f.write(json.dumps({"event": "final_eval", "n": n, "acc": acc, "time_s": round(eval_s, 1), **EVAL_DECODE}) + "\n")
+        f.write(json.dumps({"event": "final_eval", "n": n, "acc": acc, "time_s": round(eval_s, 1),
+                            **EVAL_DECODE}) + "\n")
     steps = trained["steps"] if trained else max(r.get("step", 0) for r in records)
     summary = {"steps": steps, "train_time_s": trained["train_time_s"] if trained else float("nan"),
                "final_eval_time_s": eval_s, "params": n_params(model), "final_acc": acc,

@@ -1,4 +1,5 @@
-"""GPU check, run by ``bench/gpu/check.sh``: one offline command on a machine with one H100 / H200 (or A100), < 8 minutes.
+"""GPU check, run by ``bench/gpu/check.sh``: one offline command on a machine
+with one H100 / H200 (or A100), < 8 minutes.
 
 0. The device: its name, compute capability and HBM bandwidth figure, whether ``quant='fp8'`` may be compiled on
    it (:func:`polestar.device_support.fp8_compile_blocker`) and whether step 6 (Triton kernels) can run.
@@ -46,7 +47,6 @@ from pathlib import Path
 import torch
 
 import polestar
-from polestar.bench.item_log import write_atomic
 from polestar.device_support import fp8_compile_blocker
 from polestar.fixtures import write_published_checkpoint
 from polestar.kernels.drift import kl_drift, reference_kl_drift
@@ -59,6 +59,7 @@ from polestar.kernels.quant import (
     reference_nvfp4_quantize,
 )
 from polestar.models.published import published_model
+from polestar.output_files import write_atomic
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 #: device-memory bound of loading, as a multiple of the weights
@@ -410,8 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         model, load = load_checkpoint(directory, device, args.dtype)
         result["load"] = load
         ratio = load["peak_bytes"] / load["weight_bytes"]
-        print(f"# load ({args.dtype}): {load['load_s']:.1f} s, weights {load['weight_bytes'] / 1e9:.2f} GB, peak device memory "
-              f"{load['peak_bytes'] / 1e9:.2f} GB = {ratio:.3f}x weights (bound {LOAD_BOUND}x)", flush=True)
+        print(f"# load ({args.dtype}): {load['load_s']:.1f} s, weights {load['weight_bytes'] / 1e9:.2f} GB, "
+              f"peak device memory {load['peak_bytes'] / 1e9:.2f} GB = {ratio:.3f}x weights (bound {LOAD_BOUND}x)",
+              flush=True)
         if device.type == "cuda" and ratio > LOAD_BOUND:
             print(f"error: loading peaked at {ratio:.3f}x the weights, above {LOAD_BOUND}x", file=sys.stderr)
             return 1
@@ -421,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.randint(0, 126000, (batch, args.prompt + args.gen), device=device)
             t = time_forward(model, ids)
             bound = load["weight_bytes"] / bw if bw else None
-            result["forwards"].append({"batch": batch, "forward_ms": 1e3 * t, "bound_ms": 1e3 * bound if bound else None})
+            result["forwards"].append({"batch": batch, "forward_ms": 1e3 * t,
+                                       "bound_ms": 1e3 * bound if bound else None})
             tail = f"bound {1e3 * bound:.2f} ms ({t / bound:.2f}x)" if bound else "bound n/a (no HBM figure)"
             print(f"# step 2: forward batch {batch}: {1e3 * t:.2f} ms, {tail}", flush=True)
         rows = result["policies"]

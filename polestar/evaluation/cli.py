@@ -85,7 +85,8 @@ def expand_arguments(argv: list[str]) -> list[str]:
     """lm-eval arguments for ``polestar lm-eval argv``: ``--preset`` expanded, ``--model polestar`` by default,
     hyphenated long options (``--model-args``) spelled as lm-eval spells them (``--model_args``)."""
     name, argv = _pop_preset([_underscored(a) for a in argv])
-    if not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv) and argv[:1] not in (["ls"], ["validate"]):
+    if (not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv)
+            and argv[:1] not in (["ls"], ["validate"])):
         argv += ["--model", "polestar"]
     if name is None:
         return argv
@@ -143,7 +144,7 @@ def _output_directory(output_path: str) -> Path:
 def check_output_path(argv: list[str]) -> None:
     """ValueError (exit 2) before lm-eval starts when ``--output_path`` cannot be written: its nearest existing
     folder must accept a new file (a file is created and removed there)."""
-    from polestar.bench.item_log import check_writable
+    from polestar.output_files import check_writable
 
     out = _values(argv, _OUTPUT)
     if out is None or not out[1]:
@@ -174,7 +175,7 @@ def write_counters(argv: list[str]) -> Path | None:
     if out is None or not out[1]:
         print(json.dumps(record, indent=1))
         return None
-    from polestar.bench.item_log import write_atomic
+    from polestar.output_files import write_atomic
 
     directory = _output_directory(out[1][0])
     directory.mkdir(parents=True, exist_ok=True)

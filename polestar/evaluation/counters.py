@@ -57,8 +57,9 @@ class DecodingCounters:
 
     def as_dict(self) -> dict:
         """The sums plus ``tpf`` (tokens / sequence_nfe), ``tps`` (tokens / wall_s; with several ranks, per
-        process), ``token_layer_evals_per_token``, ``sequence_token_layer_evals_per_token``, ``weight_bytes_per_token``, ``weight_bytes_per_step``
-        (weight_bytes / nfe), ``kv_bytes_per_token`` and ``proxy_query_evals_per_token``."""
+        process), ``token_layer_evals_per_token``, ``sequence_token_layer_evals_per_token``,
+        ``weight_bytes_per_token``, ``weight_bytes_per_step`` (weight_bytes / nfe), ``kv_bytes_per_token`` and
+        ``proxy_query_evals_per_token``."""
         out = attrs.asdict(self)
         tokens = max(self.tokens, 1)
         out["tpf"] = self.tokens / self.sequence_nfe if self.sequence_nfe else 0.0

@@ -278,7 +278,7 @@ class PolestarLM(LM):
             raise ValueError(f"the preset of {self.pretrained} adds a BOS token; chat=true needs add_bos_token=false")
         # dtype None: the checkpoint's own (config.json torch_dtype, else the safetensors headers): never upcast
         self.model = polestar.load(self.pretrained, dtype=args.dtype, device=self._device)
-        self.tokenizer = getattr(self.model, "tokenizer", None)
+        self.tokenizer = self.model.tokenizer
         if self.tokenizer is None:
             raise ValueError(f"checkpoint {self.pretrained} has no tokenizer; lm-eval needs one to turn text into ids")
         if self.add_bos and not self.tokenizer.bos_token:

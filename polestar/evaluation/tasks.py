@@ -1,4 +1,4 @@
-"""lm-eval task definitions over the project's own tasks (``polestar.bench.tasks``), written to a directory.
+"""lm-eval task definitions over the project's own tasks (``polestar.tasks``), written to a directory.
 
 :func:`write_task_dir` writes, for one task of the suite, the test problems as JSONL and two lm-eval task
 YAMLs that read them with the ``json`` dataset builder (no download, nothing from a hub):
@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from polestar.bench.tasks import get_task, split
+from polestar.tasks import get_task, split
 
 _UTILS_MODULE = "polestar_task_utils"
 
@@ -98,7 +98,7 @@ def write_task_dir(directory: str | Path, task: str = "arith", n: int = 16, seed
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"cannot create the task folder {directory}: {err.strerror or err}") from None
-    from polestar.bench.item_log import check_writable
+    from polestar.output_files import check_writable
 
     check_writable([directory / f"polestar_{task}.jsonl"])
     rng = random.Random(f"polestar:lm-eval-choices:{task}:{seed}")

@@ -45,7 +45,7 @@ def _prompt(args) -> tuple[str, str | None, str]:
     index = 0 if args.index is None else args.index
     if index < 0:
         raise cc.UsageError(f"--index must be >= 0, got {index}")
-    from polestar.bench.harness import load_problems
+    from polestar.problems import load_problems
 
     try:
         problems = load_problems(args.task, index + 1, args.data)

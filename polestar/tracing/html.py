@@ -132,7 +132,8 @@ def refresh_svg(grid: RefreshGrid, layer: int, prompt_len: int) -> str:
                               f"layer {layer} · step {step} · plan recomputed columns {first}-{first + n - 1}"))
         for first, n in _runs(grid.refreshed[layer][step]):
             body.append(_rect(LEFT + first * cell, y, n * cell, row - 1, REFRESHED_COLOR,
-                              f"layer {layer} · step {step} · sparse update recomputed columns {first}-{first + n - 1}"))
+                              f"layer {layer} · step {step} · sparse update recomputed columns "
+                              f"{first}-{first + n - 1}"))
     xp = LEFT + prompt_len * cell
     body.append(f'<line x1="{xp}" y1="4" x2="{xp}" y2="{height}" stroke="#495057" stroke-dasharray="3 2"/>')
     body.append(_text(xp - 3, 11, "prompt | generation", 9, "middle"))
@@ -163,9 +164,11 @@ def drift_svg(series: DriftSeries, j: int) -> str:
         body.append(_text(LEFT + i * cell + cell / 2, 18 + k * row + 14, str(step), 9))
         for c, (d, chosen) in enumerate(zip(series.drift[j][i], series.chosen[j][i])):
             body.append(_rect(LEFT + i * cell, 18 + c * row, cell - 1, row - 1, _drift_color(d, lo, hi),
-                              f"layer {layer} · step {step} · cluster {c} · drift {d:.4g}" + (" · chosen" if chosen else "")))
+                              f"layer {layer} · step {step} · cluster {c} · drift {d:.4g}"
+                              + (" · chosen" if chosen else "")))
             if chosen:
-                body.append(f'<circle cx="{LEFT + i * cell + cell / 2 - 0.5:.1f}" cy="{18 + c * row + row / 2 - 0.5:.1f}" '
+                body.append(f'<circle cx="{LEFT + i * cell + cell / 2 - 0.5:.1f}" '
+                            f'cy="{18 + c * row + row / 2 - 0.5:.1f}" '
                             f'r="3" fill="{POLICY_COLORS[0]}" stroke="#ffffff" stroke-width="1"/>')
         if i and series.blocks[i] != series.blocks[i - 1]:
             xb = LEFT + i * cell - 0.5
@@ -187,7 +190,8 @@ def trigger_svg(series: TriggerSeries, n_layers: int) -> str:
             shade = int(255 * min(max(sim, 0.0), 1.0))
             trig = series.trigger[i] == layer
             body.append(_rect(LEFT + i * cell, 8 + layer * row, cell - 1, row - 1, f"rgb(255,{shade},{shade})",
-                              f"step {step} · layer {layer} · similarity {sim:.3f}" + (" · trigger layer" if trig else ""),
+                              f"step {step} · layer {layer} · similarity {sim:.3f}"
+                              + (" · trigger layer" if trig else ""),
                               stroke="#212529" if trig else None))
     return _svg(width, height, body)
 

@@ -50,7 +50,8 @@ class StepTrace(NamedTuple):
     ``step``/``block``/``block_step``: indices over the generation, of the block, inside the block;
     ``block_start``/``block_end``: the block's columns; ``active``: the row decoded at this step; ``masked``: the
     block's masked columns before the commit; ``commits``: this step's :class:`Commit` s, by position;
-    ``computed``: per layer, the columns the forward's plan recomputed; ``refreshed``: layer → columns a sparse
+    ``computed``: per layer, the columns the layer recomputed (the plan's, or the plan rows a feature-caching
+    hook restricted the layer to); ``refreshed``: layer → columns a sparse
     update recomputed (members); ``clusters``: layer → :class:`ClusterTrace`; ``similarity``/``triggered``: layer →
     Elastic-Cache's attention similarity and whether the row had triggered at or below it; ``weight_bytes``,
     ``kv_bytes``, ``layer_rows``, ``proxy_rows``: the step's cost counters."""
@@ -150,7 +151,10 @@ def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: 
     detail = record.detail
     refreshed, clusters, similarity, triggered = {}, {}, {}, {}
     if detail is not None:
-        refreshed = {layer: _positions(pos[row], valid[row]) for layer, (pos, valid) in sorted(detail.refreshed.items())}
+        computed = tuple(_positions(detail.computed[layer][0][row], detail.computed[layer][1][row])
+                         if layer in detail.computed else cols for layer, cols in enumerate(computed))
+        refreshed = {layer: _positions(pos[row], valid[row])
+                     for layer, (pos, valid) in sorted(detail.refreshed.items())}
         clusters = {layer: ClusterTrace(tuple(c.drift[row].tolist()), tuple(c.chosen[row].tolist()))
                     for layer, c in sorted(detail.clusters.items())}
         similarity = {layer: float(s[row]) for layer, s in sorted(detail.similarity.items())}

@@ -75,7 +75,7 @@ def token_label(model, token: int) -> str:
         return "_"
     if token in stops:
         return "∎"
-    tok = getattr(model, "tokenizer", None)
+    tok = model.tokenizer
     text = tok.decode([token]) if tok is not None else str(token)
     return text.replace("\n", "↵").replace(" ", "␣") or "?"
 

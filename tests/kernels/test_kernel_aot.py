@@ -27,8 +27,8 @@ STEP_KERNELS = {"proxy_attention_kernel", "kl_rows_kernel", "assign_kernel", "nv
 
 
 def run_aot(tmp_path_factory, runs: str) -> dict:
-    """``python -m polestar.bench.kernel_aot --runs <runs>`` in a child process; its JSON (the table goes to stdout, shown
-    with ``pytest -s``)."""
+    """``python -m polestar.bench.kernel_aot --runs <runs>`` in a child process; its JSON (the table goes to stdout,
+    shown with ``pytest -s``)."""
     out = tmp_path_factory.mktemp("aot") / f"{runs}.json"
     proc = aot.compile_in_subprocess(["--runs", runs, "--json", str(out)], timeout=1200)
     print(proc.stdout)

@@ -2,11 +2,12 @@
 
 Registered tasks (see each module for the exact formats): ``arith``, ``countdown`` (3 sources),
 ``countdown4`` (4 sources), ``sudoku`` (4x4), ``copy``, ``reverse``, ``sort``, ``pick`` and ``parallel``
-(uniform mixture of the last four). Every prompt is ``task.format_prompt(input)`` = ``f"{tag}:{input}="`` right-padded with spaces to ``PROMPT_WIDTH`` (32).
+(uniform mixture of the last four). Every prompt is ``task.format_prompt(input)`` = ``f"{tag}:{input}="``
+right-padded with spaces to ``PROMPT_WIDTH`` (32).
 
 Example::
 
-    from polestar.bench.tasks import get_task, split
+    from polestar.tasks import get_task, split
     task = get_task("countdown")
     train = split(task, 1000, "train", seed=0)
     ok = task.check(train[0].input, train[0].output)

@@ -1,0 +1,81 @@
+"""What a layer hook may run on the model: a narrow view of a :class:`~polestar.models.backbone.DiffusionLM`.
+
+A layer hook (:mod:`polestar.models.hooks`) runs inside the backbone's one pass over each layer. Besides the rows
+that pass shows it, the only model operations it gets are a :class:`LayerOps`: a query or value projection of rows
+of its own, proxy attention over a layer's keys and a token-embedding lookup, each counted on the pass's
+:class:`~polestar.models.cost.CostMeter`. A refresh selector receives the model and hands its hooks this view, so
+a hook's calls go one way, down to the model's leaf operations (the family's ``layer_parts`` weights and ``embed``,
+the attention kernel of :meth:`~polestar.models.backbone.DiffusionLM.attention_probs`), and never back into the
+backbone's layer step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cost import CostMeter
+from .layers import Rotary
+from .spec import ModelSpec
+
+if TYPE_CHECKING:  # the view's source, for annotations only (the backbone imports this module)
+    from .backbone import DiffusionLM
+
+
+class LayerOps:
+    """The model operations a layer hook may run (see the module docstring), made from a model by its refresh
+    selector once per step.
+
+    ``spec``: the model's :class:`~polestar.models.spec.ModelSpec` (layer count, head shapes). Every operation takes
+    the pass's ``meter`` and counts what it reads and computes there; rows are ``B`` sequences by ``X`` rows:
+
+    * :meth:`project_queries`: ``h [B, X, d]`` → queries ``[B, H, X, hd]`` (a pass over a layer's q weight);
+    * :meth:`project_values`: ``h [B, X, d]`` → values ``[B, Hkv, X, hd]`` (a pass over a layer's v weight);
+    * :meth:`attention_probs`: queries ``[B, H, R, hd]`` over cached keys → fp32 ``[B, H, R, T + 1]``;
+    * :meth:`embed`: token ids ``[B, X]`` → layer-0 inputs ``[B, X, d]``.
+    """
+
+    def __init__(self, model: DiffusionLM):
+        self._model = model
+        self.spec: ModelSpec = model.spec
+
+    def project_queries(self, layer: int, h: torch.Tensor, positions: torch.Tensor | None,
+                        meter: CostMeter) -> torch.Tensor:
+        """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]`` (None: no RoPE, the
+        queries as at position 0): a pass over the layer's q weight of its own (a hook that needs queries it could not
+        ride along the layer's pass), its rows counted as probe rows."""
+        spec = self.spec
+        parts = self._model.layer_parts(layer)
+        B, X, _ = h.shape
+        meter.weight(parts.attn_norm.weight)
+        meter.linear(parts.q)
+        meter.rows(probe_rows=B * X)
+        q = parts.q(parts.attn_norm(h)).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
+        if positions is None:
+            return q
+        cos, sin = self._model.rotary.cos_sin(positions)
+        return Rotary.apply(q, cos, sin)
+
+    def project_values(self, layer: int, h: torch.Tensor, meter: CostMeter) -> torch.Tensor:
+        """Values ``[B, Hkv, X, hd]`` of inputs ``h [B, X, d]``: a pass over the layer's v weight of its own, its rows
+        counted as probe rows (a hook that compares values before it picks the rows the layer recomputes)."""
+        spec = self.spec
+        parts = self._model.layer_parts(layer)
+        B, X, _ = h.shape
+        meter.weight(parts.attn_norm.weight)
+        meter.linear(parts.v)
+        meter.rows(probe_rows=B * X)
+        return parts.v(parts.attn_norm(h)).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+
+    def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
+                        meter: CostMeter | None = None) -> torch.Tensor:
+        """Proxy attention (:meth:`~polestar.models.backbone.DiffusionLM.attention_probs`, the kernel the pass's
+        attention probe uses): ``q [B, H, R, hd]`` over ``keys [B, Hkv, T+1, hd]`` (``key_valid [B, T+1]``) → fp32
+        ``[B, H, R, T+1]``, masked keys at probability 0."""
+        return self._model.attention_probs(q, keys, key_valid, meter)
+
+    def embed(self, tokens: torch.Tensor, meter: CostMeter) -> torch.Tensor:
+        """Layer-0 inputs ``[B, X, d]`` of token ids ``tokens [B, X]`` (the lookup reads only those embedding rows)."""
+        meter.embedding(self._model.embedding_weight(), tokens.numel())
+        return self._model.embed(tokens)

@@ -1,0 +1,305 @@
+"""Polestar-Cache's layer hooks: the block start's clustering and stores, and the sparse update's member choice.
+
+:class:`~polestar.policies.refresh_polestar.PolestarRefresh` (config, phase, plan, buffers) makes one hook per
+step: a :class:`PolestarBuildHook` at a block start, and at an update step a
+:class:`~polestar.policies.sparse_update.SparseUpdate` driven by :class:`PolestarMembers`. Neither holds the model:
+both run model operations through the :class:`~polestar.models.layer_ops.LayerOps` view the selector gives them.
+
+One layer of an update step, as the backbone's pass (``DiffusionLM.layer_step``) calls down (nothing below calls
+back into the layer step):
+
+1. ``SparseUpdate.extra_rows`` → :meth:`PolestarMembers.extra_rows`: the previous layer's packet (its rows' K/V
+   re-projected) and the layer's centroids (query-only rows) join the block's rows in the q/k/v matmuls;
+2. ``SparseUpdate.members`` → :meth:`PolestarMembers.select`: the centroids' attention over the layer's keys
+   (:func:`proxy_probs` → ``LayerOps.attention_probs``), its drift, the most drifting clusters (:func:`top_ranked`,
+   the rule of :func:`top_clusters`), their members gathered to capacity with their stored queries;
+3. the block's rows and the members go through attention, o and the MLP; ``SparseUpdate.after_layer`` keeps the
+   members' outputs as the next layer's packet.
+
+Shapes: window ``Nw`` columns; centroids ``[B, K, d]``; proxy distributions ``[B, H, K, T + 1]``; drift ``[B, K]``;
+member buffer ``[B, M_l]`` per layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from polestar.models.backbone import ExtraRows, LayerQKV
+from polestar.models.layer_ops import LayerOps
+from polestar.models.layers import Rotary
+from polestar.models.plan import DecodeCache
+from polestar.profiling import scope
+from polestar.stages import LayerHook
+from polestar.state import ClusterDrift
+
+from .sparse_update import MemberStrategy, Packet, Selection, to_capacity
+
+if TYPE_CHECKING:  # the selector that makes these hooks, and its buffers (it imports this module)
+    from .refresh_polestar import PolestarRefresh, PolestarRefreshState, WindowBuffers
+
+
+def enabled_clusters(ks: tuple[int, ...], k_max: int, batch: int, device: torch.device) -> torch.Tensor:
+    """``[len(ks) * batch, k_max]`` bool: per window part (``ks`` its cluster counts) and row, which of the
+    ``k_max`` cluster slots the part uses."""
+    return torch.cat([(torch.arange(k_max, device=device) < k).expand(batch, -1) for k in ks])
+
+
+def pad_columns(t: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """``t [B, m, ...]`` padded with ``fill`` to ``[B, n, ...]`` along dim 1 (``n ≥ m``)."""
+    pad = n - t.shape[1]
+    if pad == 0:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], dim=1)
+
+
+#: drifts are ranked on a grid of this step: differences below it are rounding noise (they change with the
+#: batch's matmul shapes and with a compiler's fusion), and a tie goes to the lower cluster index
+DRIFT_RESOLUTION = 2.0**-20
+
+
+def cluster_ranks(drift: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rank of each cluster by drift, 0 = most drifting, empty clusters last: ``drift, counts [B, K]`` → long
+    ``[B, K]``. Drifts are compared on a grid of :data:`DRIFT_RESOLUTION`; ties go to the lower cluster index."""
+    scores = torch.round(drift.float() / DRIFT_RESOLUTION).masked_fill(counts == 0, float("-inf"))
+    return scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+
+
+def top_clusters(drift: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` most drifting non-empty clusters of each row: ``drift, counts [B, K]`` → bool ``[B, K]``.
+    Ties go to the lower cluster index, so a larger ``k`` always selects a superset."""
+    return top_ranked(cluster_ranks(drift, counts), counts, k)
+
+
+def top_ranked(ranks: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_clusters` from the clusters' :func:`cluster_ranks` ``ranks [B, K]`` (for a caller that also
+    orders members by them): the ``k`` best-ranked non-empty clusters, bool ``[B, K]``."""
+    return (ranks < min(k, ranks.shape[1])) & (counts > 0)
+
+
+
+def proxy_probs(ops: LayerOps, cache: DecodeCache, layer: int, key_rope: tuple | None, q: torch.Tensor,
+                meter) -> torch.Tensor:
+    """Centroid queries ``q [B, H, R, hd]`` scored against ``layer``'s keys → fp32 ``[B, H, R, T+1]``
+    (:meth:`~polestar.models.layer_ops.LayerOps.attention_probs`). The keys are the cached (rotated) ones when
+    ``key_rope`` is None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos and
+    -sin ``[B, 1, T + 1, hd]`` of the cache positions, the inverse rotation), as the authors' released code scores
+    un-rotated centroid queries against un-rotated keys; that pass reads the keys once more, and ``meter`` counts
+    it."""
+    keys = cache.k[layer]
+    if key_rope is not None:
+        if meter is not None:
+            meter.attention(keys, None)  # the pass that undoes the rotary embedding
+        cos, neg_sin = key_rope
+        keys = Rotary.apply(keys, cos, neg_sin)
+    return ops.attention_probs(q, keys, cache.key_valid, meter)
+
+
+class PolestarBuildHook(LayerHook):
+    """Block start: cluster the window's inputs at every layer, store them (residuals to their centroid) and their
+    queries, and record the centroids' proxy distributions.
+
+    The window rows' queries go to the query store at each layer (:meth:`members`). Clustering and the proxy
+    distributions then take one of two routes (:meth:`PolestarRefresh.clusters_together`):
+
+    * each layer inside its pass: the layer's window is clustered in :meth:`extra_rows`, its centroids ride along
+      the layer's q pass as query-only rows, and after the layer's K/V writes their attention over the keys
+      becomes ``prev``;
+    * all layers together: each layer's window inputs are kept, and once the last layer has written its K/V, one
+      clusterer call clusters every layer's window (the layers' parts stacked as groups ``[L * P * B, n]``), then
+      each layer's centroid queries take a q pass of their own (:meth:`~polestar.models.layer_ops.LayerOps.
+      project_queries`) and their attention becomes ``prev``.
+
+    The clusterer's random initial keys are drawn at the block start, before the step
+    (:meth:`PolestarRefresh.allocate`), so the whole block start runs inside the compiled step.
+    """
+
+    def __init__(self, sel: PolestarRefresh, state, plan_start, cache, ops: LayerOps, local: PolestarRefreshState):
+        self.sel, self.state, self.cache, self.ops, self.local = sel, state, cache, ops, local
+        self.buffers: WindowBuffers = local.current
+        self.window = window = sel.window(state, cache)
+        B = state.batch_size
+        self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
+        spec = ops.spec
+        self.q_slots = self.slots[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
+        self.evals = torch.zeros(B, dtype=torch.long, device=state.x.device)
+        self.parts = self.buffers.parts
+        self.rope_pos = cache.positions.index_select(1, window.positions)
+        self.together = sel.clusters_together(state.x.device)
+        self.inputs: list[torch.Tensor] = []  # each layer's window inputs [B, Nw, d], kept when clustering together
+
+    def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
+        """``hw [n, B, Nw, d]`` (``n`` layers), ``keys [n, P, m]`` (one key row per layer and part, shared by the
+        batch) or None → ``centroids [n, B, K, d]``,
+        ``labels [n, B, Nw]`` (window-wide cluster ids, -1 invalid), ``counts [n, B, K]``. The prefix and suffix
+        parts of every layer are clustered separately, in one clusterer call: each (layer, part) is a group of its
+        own, padded to the longer part (padding invalid) with the clusters it lacks disabled."""
+        parts = self.parts
+        n, B, Nw, d = hw.shape
+        P = len(parts)
+        n_max, k_max = max(hi - lo for lo, hi, _k in parts), max(k for _lo, _hi, k in parts)
+        flat = hw.reshape(n * B, Nw, d).float()
+        x = torch.stack([pad_columns(flat[:, lo:hi], n_max, 0.0).view(n, B, n_max, d) for lo, hi, _k in parts], 1)
+        ok = torch.cat([pad_columns(self.window.valid[:, lo:hi], n_max, False) for lo, hi, _k in parts])
+        groups = n * P * B
+        seeds = None if keys is None else keys[:, :, None, :].expand(n, P, B, n_max).reshape(groups, n_max)
+        k_valid = enabled_clusters(tuple(k for _lo, _hi, k in parts), k_max, B, hw.device).repeat(n, 1)
+        with scope("cluster"):
+            c, lab, cnt = self.sel.clusterer.cluster(x.reshape(groups, n_max, d), k_max, ok.repeat(n, 1), None,
+                                                     seeds, k_valid=k_valid)
+        c, lab, cnt = c.view(n, P, B, k_max, d), lab.view(n, P, B, n_max), cnt.view(n, P, B, k_max)
+        centroids, labels, counts, offset = [], [], [], 0
+        for i, (lo, hi, k) in enumerate(parts):
+            centroids.append(c[:, i, :, :k])
+            counts.append(cnt[:, i, :, :k])
+            part_labels = lab[:, i, :, : hi - lo]
+            labels.append(torch.where(part_labels >= 0, part_labels + offset, -1))
+            offset += k
+        return torch.cat(centroids, dim=2).to(hw.dtype), torch.cat(labels, dim=2), torch.cat(counts, dim=2)
+
+    def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows and
+        write their clusters into the window's buffers; → the centroids ``[n, B, K, d]`` and their RoPE positions
+        ``[n, B, K]``."""
+        local, buf = self.local, self.buffers
+        centroids, labels, counts = self._cluster(hw, keys)
+        if self.sel.config.proxy_rope:  # the members' mean position
+            onehot = torch.nn.functional.one_hot(labels.clamp_min(0), centroids.shape[2]).float()
+            onehot = onehot * (labels >= 0)[..., None].float()
+            centroid_pos = (torch.einsum("nbwk,bw->nbk", onehot, self.rope_pos.float())
+                            / counts.clamp_min(1)).round().long()
+        else:  # rotary at position 0 is the identity: un-rotated centroid queries
+            centroid_pos = torch.zeros(counts.shape, dtype=torch.long, device=counts.device)
+        anchor = None
+        if not buf.store.quant.lossless:  # a lossy store keeps residuals to each member's centroid
+            anchor = centroids.gather(2, labels.clamp_min(0)[..., None].expand(-1, -1, -1, hw.shape[-1]))
+        for i in range(hw.shape[0]):
+            with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
+                buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
+        layers = slice(first, first + hw.shape[0])
+        buf.centroids[layers].copy_(centroids)
+        buf.labels[layers].copy_(labels)
+        buf.counts[layers].copy_(counts)
+        buf.centroid_pos[layers].copy_(centroid_pos)
+        return centroids, centroid_pos
+
+    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
+        hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
+        if self.together:
+            self.inputs.append(hw)
+            return None
+        keys = None if self.buffers.keys is None else self.buffers.keys[layer : layer + 1]
+        centroids, centroid_pos = self._record(layer, hw[None], keys)
+        if not self.sel.refreshes_layer(layer, self.ops.spec.n_layers):
+            return None
+        return ExtraRows(centroids[0], centroid_pos[0], torch.full_like(centroid_pos[0], self.cache.trash))
+
+    def members(self, layer: int, qkv: LayerQKV) -> None:
+        local, C = self.local, qkv.n_plan
+        B, H, _, hd = qkv.q.shape
+        q_window = qkv.q.gather(2, self.q_slots)  # the window's slots lie among the plan's C rows
+        with local.side.run(q_window), scope("store"):
+            self.buffers.qstore.write_all(layer, q_window.transpose(1, 2).reshape(B, -1, H * hd))
+        if not self.together:
+            if not self.sel.refreshes_layer(layer, self.ops.spec.n_layers):
+                return None
+            with scope("proxy_attention"):
+                self.buffers.prev[layer].copy_(proxy_probs(self.ops, self.cache, layer, local.key_rope,
+                                                           qkv.q[:, :, C:], qkv.meter))
+        elif layer == self.ops.spec.n_layers - 1:  # every layer's K/V is written: cluster them all at once
+            self._cluster_all(qkv.meter)
+        return None
+
+    def _cluster_all(self, meter) -> None:
+        """Cluster every layer's kept window inputs in one clusterer call, then score each layer's centroid queries
+        (a pass over the layer's q weight of their own) against its keys."""
+        local, ops = self.local, self.ops
+        centroids, centroid_pos = self._record(0, torch.stack(self.inputs), self.buffers.keys)
+        self.inputs.clear()
+        for layer in range(ops.spec.n_layers):
+            if not self.sel.refreshes_layer(layer, ops.spec.n_layers):
+                continue
+            positions = centroid_pos[layer] if self.sel.config.proxy_rope else None
+            q = ops.project_queries(layer, centroids[layer], positions, meter)
+            with scope("proxy_attention"):
+                self.buffers.prev[layer].copy_(proxy_probs(ops, self.cache, layer, local.key_rope, q, meter))
+
+
+class PolestarMembers(MemberStrategy):
+    """Polestar's member choice at a sparse-update step (see the module docstring): query-only rows are the layer's
+    centroids; members are the window rows of the top drifting clusters, queries from the query store.
+    ``local.due [B]``: rows that update at this step (the others choose no member)."""
+
+    wants_old = True
+
+    def __init__(self, sel: PolestarRefresh, state, cache, ops: LayerOps, local: PolestarRefreshState):
+        self.sel, self.cache, self.ops, self.local, self.due = sel, cache, ops, local, local.due
+        self.buffers = buf = local.current
+        self.window = window = sel.window(state, cache)
+        self.store = buf.store
+        self.trash = window.size
+        self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
+        self.capacity = sel.capacities(window.size, ops.spec.n_layers)
+        self.wants_head = sel.packet_logits
+        self.x = state.x
+        self.n_kv = 0
+        self.detail = state.detail
+
+    def slots(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.row_slot[rows]
+
+    def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
+        """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""
+        buf = self.buffers
+        labels = buf.labels[layer].gather(1, packet.rows.clamp(max=self.trash - 1))
+        k_clusters = buf.centroids.shape[2]
+        keep = (packet.valid & (labels >= 0))[..., None].to(old.dtype)
+        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype) * keep
+        delta = torch.einsum("bmk,bmd->bkd", onehot, packet.out.to(old.dtype) - old)
+        counts = buf.counts[layer].clamp_min(1)[..., None].to(old.dtype)
+        buf.centroids[layer].add_((delta / counts).to(buf.centroids.dtype))
+
+    def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
+                   meter) -> ExtraRows | None:
+        buf = self.buffers
+        self.n_kv = 0 if kv is None else kv.inputs.shape[1]
+        if not self.sel.refreshes_layer(layer, self.ops.spec.n_layers):
+            return kv
+        pos = buf.centroid_pos[layer]
+        proxies = ExtraRows(buf.centroids[layer], pos, torch.full_like(pos, self.cache.trash))
+        if kv is None:
+            return proxies
+        return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(kv, proxies)))
+
+    def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
+        local, buf, sel, ops = self.local, self.buffers, self.sel, self.ops
+        if not sel.refreshes_layer(layer, ops.spec.n_layers):
+            return None
+        B, H, _, hd = qkv.q.shape
+        q_extra = qkv.q[:, :, qkv.n_plan:]
+        if packet is not None:  # the packet rows' new queries, from this layer's pass, replace the stored ones
+            q_packet = q_extra[:, :, : self.n_kv]
+            with scope("store"):
+                buf.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
+        with scope("proxy_attention"):
+            cur = proxy_probs(ops, self.cache, layer, local.key_rope, q_extra[:, :, self.n_kv:], qkv.meter)
+        with scope("drift"):
+            drift = sel.drift.score(cur, buf.prev[layer])
+        buf.prev[layer].copy_(torch.where(self.due[:, None, None, None], cur, buf.prev[layer]))
+        k = sel.config.topk_last if layer == ops.spec.n_layers - 1 else sel.config.topk
+        counts, labels = buf.counts[layer], buf.labels[layer]
+        rank = cluster_ranks(drift, counts)
+        chosen = top_ranked(rank, counts, k) & self.due[:, None]  # [B, K]
+        label = labels.clamp_min(0)
+        member = self.window.valid & (labels >= 0) & chosen.gather(1, label)
+        rows, valid = to_capacity(member, rank.gather(1, label), self.capacity[layer], self.trash)
+        if self.detail is not None:  # an observer records: every cluster's drift and the chosen ones
+            self.detail.clusters[layer] = ClusterDrift(drift, counts, chosen, self.window.positions, labels)
+        with scope("store"):
+            q = buf.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
+        inputs = None
+        if layer == 0:  # layer 0's input is the token embedding: read it, not the store
+            tokens = self.x.gather(1, self.slots(rows).clamp(max=self.x.shape[1] - 1))  # trash slots: any token
+            inputs = ops.embed(tokens, qkv.meter)
+        return Selection(rows, valid, q, inputs)
