@@ -67,9 +67,11 @@ def cmd_anatomy(args) -> int:
     with working("anatomy"):
         result = commit_anatomy(args.model, args.task, policies, args.n, sets, decoding, args.batch_size, args.data,
                                 args.dtype, args.device)
-    title = f"{args.model} / {args.task} / n={args.n} / commit anatomy" + ("" if args.stop_at_eos else " / no stop at EOS")
+    title = (f"{args.model} / {args.task} / n={args.n} / commit anatomy"
+             + ("" if args.stop_at_eos else " / no stop at EOS"))
     if sets:  # the overrides belong in the title, as in bench's
-        title += " / set " + " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sorted(sets.items()))
+        title += " / set " + " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                                      for k, v in sorted(sets.items()))
     print(format_anatomy(result, title))
     if args.json_out:
         write_atomic(args.json_out, json.dumps(result, indent=1))

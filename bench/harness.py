@@ -80,7 +80,8 @@ def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, opti
         records.append({
             "policy": name, "input": prob.input, "generation": text,
             "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe, "error": getattr(seq, "error", None),
-            "tokens": seq.tokens, "sequence_token_layer_evals": seq.token_layer_evals, "wall_s": out.stats.wall_s / len(chunk),
+            "tokens": seq.tokens, "sequence_token_layer_evals": seq.token_layer_evals,
+            "wall_s": out.stats.wall_s / len(chunk),
             "compile_s": out.stats.compile_s / len(chunk), **share,
         })
     return records, out.pipeline
@@ -292,7 +293,8 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     starts = list(range(0, len(problems), batch_size))
     mine = [starts[b] for b in distributed.shard(len(starts), rank, world_size)]
     items, summary = [], {}
-    bar = progress_bar(sum(len(problems[s : s + batch_size]) for s in mine) * len(policies), show_progress and rank == 0)
+    bar = progress_bar(sum(len(problems[s : s + batch_size]) for s in mine) * len(policies),
+                       show_progress and rank == 0)
     for name in policies:
         opts = optional_overrides(options)
         local = []
@@ -335,7 +337,8 @@ def profile_policies(model_name, task_name, policies, n, options, decoding, batc
     out = {}
     for name in policies:
         opts = optional_overrides(options)
-        times = profile_shares(lambda name=name, opts=opts: run_policy(model, task, problems, name, opts, decoding, batch_size))
+        times = profile_shares(
+            lambda name=name, opts=opts: run_policy(model, task, problems, name, opts, decoding, batch_size))
         total = times.pop("total")
         drift_parts = ("proxy_attention", "drift", "cluster", "store")
         shares = {"model_forward": (times["forward"] - sum(times[k] for k in drift_parts)) / total}
@@ -498,7 +501,8 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
         from polestar.cli_checks import RuntimeFailure
 
         first = failed[0]
-        raise RuntimeFailure(f"{len(failed)} of {len(result['items'])} problem(s) stopped early, scored as wrong; first: "
+        raise RuntimeFailure(f"{len(failed)} of {len(result['items'])} problem(s) stopped early, scored as wrong; "
+                             "first: "
                              f"policy {first['policy']}, input {first['input']!r}: {first['error']} (items carry "
                              "'error' in --json)")
     return 0

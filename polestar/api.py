@@ -26,8 +26,9 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
 
     ``dtype``: float32, bfloat16 or float16; None (default) keeps the checkpoint's ``torch_dtype``. Weights come
     from safetensors only, read straight into the model's memory (peak host memory about the weights' size).
-    The checkpoint's tokenizer is attached as ``model.tokenizer`` (a ``transformers.PreTrainedTokenizerBase``, or None without tokenizer files)
-    and its stop tokens / decoding defaults (``generation_config.json``) as ``model.text_defaults``.
+    The checkpoint's tokenizer is attached as ``model.tokenizer`` (a ``transformers.PreTrainedTokenizerBase``, or
+    None without tokenizer files) and its stop tokens / decoding defaults (``generation_config.json``) as
+    ``model.text_defaults``.
     """
     return load_model(path, dtype=dtype, device=device)
 
@@ -62,7 +63,8 @@ class GenerationOutput:
         return [seq.error for seq in self.stats.sequences]
 
 
-def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False,
+                   system: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts (strings, token-id lists or a LongTensor ``[B, L]``) → left-padded ids ``[B, P]`` and mask ``[B, P]``.
 
     ``chat=True`` wraps each string prompt as a user turn (after an optional ``system`` turn) in the checkpoint's
@@ -77,7 +79,8 @@ def encode_prompts(model: DiffusionLM, prompts: Any, chat: bool = False, system:
         if prompts.dim() == 1:
             prompts = prompts[None]
         if prompts.dim() != 2 or prompts.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"prompt tensor must be an integer tensor [B, L], got {prompts.dtype} {tuple(prompts.shape)}")
+            raise ValueError(f"prompt tensor must be an integer tensor [B, L], got {prompts.dtype} "
+                             f"{tuple(prompts.shape)}")
         rows = [list(map(int, r)) for r in prompts.tolist()]
     elif isinstance(prompts, Sequence):
         if len(prompts) == 0:
@@ -191,11 +194,12 @@ def generate(
     threshold of the threshold-based commit rules; policies without one (``baseline``) ignore it, so one call
     can sweep every policy. ``compile=True`` runs each whole step (plan, sparse update, forward, commit rule, EOS
     bookkeeping, counters) as one ``torch.compile`` graph (CUDA graphs on CUDA; a string names another
-    ``torch.compile`` backend); tokens are the same as eager, and the time spent compiling is reported as ``stats.compile_s`` and left
-    out of ``stats.wall_s`` / ``stats.tps``. ``chat=True`` applies the checkpoint's chat template to string prompts
-    (``system``: optional system turn). A sequence stops at EOS or at the chat format's end-of-turn token
-    (``model.text_defaults.stop_ids``). ``temperature`` None takes ``generation_config.json``'s value, else 0. ``on_step`` receives a
-    :class:`~polestar.state.StepRecord` after every step (for tests and diagnostics such as ``polestar anatomy``).
+    ``torch.compile`` backend); tokens are the same as eager, and the time spent compiling is reported as
+    ``stats.compile_s`` and left out of ``stats.wall_s`` / ``stats.tps``. ``chat=True`` applies the checkpoint's
+    chat template to string prompts (``system``: optional system turn). A sequence stops at EOS or at the chat
+    format's end-of-turn token (``model.text_defaults.stop_ids``). ``temperature`` None takes
+    ``generation_config.json``'s value, else 0. ``on_step`` receives a :class:`~polestar.state.StepRecord` after
+    every step (for tests and diagnostics such as ``polestar anatomy``).
     The outputs of stages from outside the package (plugins) are checked against their kind's contract
     (:mod:`polestar.contracts`); ``check_stages=True`` checks every stage, ``check_stages=False`` none (default:
     the environment variable ``POLESTAR_CHECK_STAGES`` when set).

@@ -86,7 +86,8 @@ def add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true",
                    help="compile each step with torch.compile (compile time is reported apart from TPS)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the traceback too")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="on an error, print the traceback too")
     add_plugin_arg(p)
 
 
@@ -133,7 +134,8 @@ def _check_prompts_fit(model, prompts: list[str], gen_length: int, chat: bool = 
     for i, n in enumerate(mask.sum(dim=1).tolist()):
         if n + gen_length > limit:
             raise UsageError(f"prompt #{i + 1} has {n} tokens; with --gen-length {gen_length} that is "
-                             f"{n + gen_length} > the model's context ({limit}); shorten the prompt or lower --gen-length")
+                             f"{n + gen_length} > the model's context ({limit}); "
+                             "shorten the prompt or lower --gen-length")
 
 
 class BatchProgress:
@@ -279,7 +281,8 @@ def cmd_policies(args) -> int:
         },
         "stages": {
             kind: {
-                name: {k: (v if not isinstance(v, attrs.Factory) else None) for k, v in registry.config_fields(kind, name).items()}
+                name: {k: (v if not isinstance(v, attrs.Factory) else None)
+                       for k, v in registry.config_fields(kind, name).items()}
                 for name in registry.names(kind)
             }
             for kind in registry.KINDS
@@ -346,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", default=False, help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="decode prompts with a policy")
-    g.add_argument("--model", default="tiny-llada", help="checkpoint directory or shipped name (tiny-llada, tiny-dream)")
+    g.add_argument("--model", default="tiny-llada",
+                   help="checkpoint directory or shipped name (tiny-llada, tiny-dream)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     g.add_argument("--task", default=None, help="format each prompt with this task's prompt layout (e.g. arith)")
     g.add_argument("--chat", action="store_true",

@@ -139,7 +139,8 @@ def _check_consumed(policy: str, kind: str, chosen: dict[str, str]) -> None:
         return
     if any(kind in registry.lookup(k, n).requires for k, n in chosen.items() if k != kind):
         return
-    readers = [f"{k} {n!r}" for k in registry.KINDS for n in registry.names(k) if kind in registry.lookup(k, n).requires]
+    readers = [f"{k} {n!r}" for k in registry.KINDS for n in registry.names(k)
+               if kind in registry.lookup(k, n).requires]
     own = ", ".join(f"{k} {chosen[k]!r}" for k in engine_driven() if k in chosen)
     raise ValueError(f"{kind}={chosen[kind]}: no stage of policy {policy!r} reads a {kind} stage ({own} do not); "
                      f"stages that read one: {', '.join(readers) or 'none'} (swap one of them in, or pick a policy "
@@ -148,4 +149,5 @@ def _check_consumed(policy: str, kind: str, chosen: dict[str, str]) -> None:
 
 def _unknown_option(key: str, fields: dict[str, dict[str, Any]]) -> str:
     valid = sorted({opt for f in fields.values() for opt in f} | {f"{k}.{o}" for k, f in fields.items() for o in f})
-    return f"unknown option {key!r} for this policy; valid options: {', '.join(valid) or 'none'} (or a stage kind: {', '.join(registry.KINDS)})"
+    return (f"unknown option {key!r} for this policy; valid options: {', '.join(valid) or 'none'} "
+            f"(or a stage kind: {', '.join(registry.KINDS)})")

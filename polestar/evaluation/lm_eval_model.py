@@ -28,9 +28,9 @@ before handing its arguments to lm-eval's own command line. Model arguments (``-
 
 The generation length of a request is ``gen_length`` when given, else the preset's length for the request's
 task, else the request's ``max_gen_toks`` rounded up to a block multiple, else 256; the answer is cut at the
-first stop token (EOS or the chat format's end-of-turn), at ``max_gen_toks`` tokens and at the first ``until`` string. Under ``torchrun`` / ``accelerate
-launch`` the model joins the process group and exposes ``rank`` / ``world_size``, so lm-eval shards requests
-and gathers metrics through :meth:`PolestarLM.gather_object`.
+first stop token (EOS or the chat format's end-of-turn), at ``max_gen_toks`` tokens and at the first ``until``
+string. Under ``torchrun`` / ``accelerate launch`` the model joins the process group and exposes ``rank`` /
+``world_size``, so lm-eval shards requests and gathers metrics through :meth:`PolestarLM.gather_object`.
 """
 
 from __future__ import annotations
@@ -273,7 +273,8 @@ class PolestarLM(LM):
             model_preset = (model_presets.get_preset(args.model_preset) if args.model_preset
                             else model_presets.preset_for_config(read_config(directory), directory))
         self.chat = args.chat if args.chat is not None else bool(model_preset and model_preset.chat)
-        self.add_bos = args.add_bos_token if args.add_bos_token is not None else bool(model_preset and model_preset.add_bos)
+        self.add_bos = (args.add_bos_token if args.add_bos_token is not None
+                        else bool(model_preset and model_preset.add_bos))
         if self.chat and self.add_bos:
             raise ValueError(f"the preset of {self.pretrained} adds a BOS token; chat=true needs add_bos_token=false")
         # dtype None: the checkpoint's own (config.json torch_dtype, else the safetensors headers): never upcast
