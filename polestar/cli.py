@@ -44,8 +44,11 @@ __all__ = ["build_parser", "main", "parse_sets"]
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one ``error: ...`` line (exit code 2) instead of usage + error."""
 
+    #: set when no package registered a subcommand (:func:`add_commands`): the install's metadata is out of date
+    hint: str = ""
+
     def error(self, message: str):
-        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`{self.hint}\n")
 
 
 def _package_version() -> str:
@@ -334,13 +337,15 @@ def cmd_inspect(args) -> int:
 COMMANDS_GROUP = "polestar.commands"
 
 
-def add_commands(sub) -> None:
+def add_commands(sub) -> int:
     """Add the subcommands registered under :data:`COMMANDS_GROUP`, so the command line imports no package that
-    contributes one."""
+    contributes one; returns how many there were (0: the metadata of the install predates the group)."""
     from importlib.metadata import entry_points
 
-    for entry in entry_points(group=COMMANDS_GROUP):
+    entries = list(entry_points(group=COMMANDS_GROUP))
+    for entry in entries:
         entry.load()(sub)
+    return len(entries)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,7 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     add_plugin_arg(p)
     p.set_defaults(func=cmd_policies)
-    add_commands(sub)  # bench, anatomy, agree: see add_commands
+    if add_commands(sub) == 0:  # bench, anatomy, agree: see add_commands
+        parser.hint = (f" (no command of the {COMMANDS_GROUP!r} entry points is installed, so bench, anatomy and "
+                       "agree are missing: reinstall the package, e.g. `pip install -e .`)")
     tr = sub.add_parser("trace", help="draw what one or two policies did, step by step, for one prompt (HTML + PNG)")
     add_trace_args(tr)
     add_decoding_args(tr, policy=False)

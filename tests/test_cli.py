@@ -164,3 +164,18 @@ def test_bench_set_swaps_a_stage(checkpoint, tmp_path):
     # the JSON records the stages each policy ran with
     assert swapped["summary"]["baseline"]["stages"]["commit"] == {"name": "threshold", "threshold": 0.01}
     assert par["summary"]["parallel"]["stages"]["refresh"]["name"] == "full"
+
+
+def test_the_bench_commands_come_from_the_installed_entry_points(capsys, monkeypatch):
+    """`bench`, `anatomy` and `agree` are registered by the benchmark package; an install whose metadata lacks them
+    (installed before the group existed) names the fix in the one error line."""
+    import importlib.metadata
+
+    import polestar.cli as cli
+
+    names = {e.name for e in importlib.metadata.entry_points(group=cli.COMMANDS_GROUP)}
+    assert names == {"bench", "anatomy", "agree"}
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    assert main(["bench", "--task", "arith"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "invalid choice: 'bench'" in err[0] and "pip install -e ." in err[0]
