@@ -329,7 +329,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
 def profile_policies(model_name, task_name, policies, n, options, decoding, batch_size=1, dtype="float32",
                      device="cpu") -> dict[str, dict[str, float]]:
     """Share of step time per stage (``polestar.profiling`` scopes) for each policy, on ``n`` problems."""
-    from polestar.profiling import profile_shares
+    from polestar.profiling import FORWARD_SCOPES, profile_shares
 
     task = get_task(task_name)
     model = polestar.load(model_name, dtype=dtype, device=device)
@@ -340,16 +340,17 @@ def profile_policies(model_name, task_name, policies, n, options, decoding, batc
         times = profile_shares(
             lambda name=name, opts=opts: run_policy(model, task, problems, name, opts, decoding, batch_size))
         total = times.pop("total")
-        drift_parts = ("proxy_attention", "drift", "cluster", "store")
-        shares = {"model_forward": (times["forward"] - sum(times[k] for k in drift_parts)) / total}
-        shares.update({k: times[k] / total for k in (*drift_parts, "commit")})
+        shares = {"model_forward": (times["forward"] - sum(times[k] for k in FORWARD_SCOPES)) / total}
+        shares.update({k: times[k] / total for k in (*FORWARD_SCOPES, "commit")})
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
         out[name] = shares
     return out
 
 
 def format_profile(profile: dict[str, dict[str, float]]) -> str:
-    cols = ["model_forward", "proxy_attention", "drift", "cluster", "store", "commit", "other"]
+    from polestar.profiling import FORWARD_SCOPES
+
+    cols = ["model_forward", *FORWARD_SCOPES, "commit", "other"]
     lines = ["share of step time (%)", f"{'policy':18s} " + " ".join(f"{c[:10]:>10s}" for c in cols)]
     for name, shares in profile.items():
         lines.append(f"{name:18s} " + " ".join(f"{100 * shares[c]:10.1f}" for c in cols))

@@ -12,8 +12,26 @@ from collections.abc import Callable
 
 import torch
 
-SCOPES = ("forward", "proxy_attention", "drift", "cluster", "store", "commit")
+#: the step's own scopes: the forward pass (with whatever rides along it) and the commit rule
+STEP_SCOPES = ("forward", "commit")
+#: scopes inside the forward that stages declare where they are written (:func:`declare_scopes`), in order
+FORWARD_SCOPES: list[str] = []
 _ENABLED = False
+
+
+def declare_scopes(*names: str) -> None:
+    """Declare scopes a stage opens inside the forward pass (e.g. Polestar-Cache's ``proxy_attention``, ``drift``,
+    ``cluster``, ``store``), so ``polestar bench --profile`` reports them as parts of the forward's time."""
+    for name in names:
+        if name in STEP_SCOPES:
+            raise ValueError(f"scope {name!r} is one of the step's own scopes {STEP_SCOPES}")
+        if name not in FORWARD_SCOPES:
+            FORWARD_SCOPES.append(name)
+
+
+def scope_names() -> tuple[str, ...]:
+    """Every scope ``profile_shares`` reports: the step's own and the declared ones."""
+    return (*STEP_SCOPES, *FORWARD_SCOPES)
 
 
 def scope(name: str):
@@ -37,7 +55,7 @@ def profile_shares(fn: Callable[[], object]) -> dict[str, float]:
             total = time.perf_counter() - start
     finally:
         _ENABLED = False
-    out = dict.fromkeys(SCOPES, 0.0)
+    out = dict.fromkeys(scope_names(), 0.0)
     for evt in prof.key_averages():
         if evt.key.startswith("polestar/"):
             out[evt.key.split("/", 1)[1]] = evt.cpu_time_total / 1e6

@@ -30,7 +30,7 @@ from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache
-from polestar.profiling import scope
+from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
 from polestar.state import ClusterDrift
 
@@ -38,6 +38,9 @@ from .sparse_update import MemberStrategy, Packet, Selection, to_capacity
 
 if TYPE_CHECKING:  # the selector that makes these hooks, and its buffers (it imports this module)
     from .refresh_polestar import PolestarRefresh, PolestarRefreshState, WindowBuffers
+
+# what ``polestar bench --profile`` reports of these hooks, as parts of the forward pass
+declare_scopes("proxy_attention", "drift", "cluster", "store")
 
 
 def enabled_clusters(ks: tuple[int, ...], k_max: int, batch: int, device: torch.device) -> torch.Tensor:

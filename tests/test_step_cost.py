@@ -125,3 +125,17 @@ def test_profile_shares_cover_the_step_and_see_polestar_stages():
     assert shares["polestar"]["proxy_attention"] > 0 and shares["polestar"]["cluster"] > 0
     assert shares["fast-dllm"]["proxy_attention"] == shares["fast-dllm"]["cluster"] == 0
     assert len(format_profile(shares).splitlines()) == 2 + 2
+
+
+def test_stages_declare_their_profiling_scopes_where_they_are_written(monkeypatch):
+    """The core names only the step's own scopes; Polestar-Cache's hooks declare theirs (in the order the profile
+    table shows them); a declared name is kept once and may not shadow a step scope."""
+    from polestar import profiling
+
+    assert profiling.STEP_SCOPES == ("forward", "commit")
+    assert profiling.FORWARD_SCOPES[:4] == ["proxy_attention", "drift", "cluster", "store"]
+    monkeypatch.setattr(profiling, "FORWARD_SCOPES", list(profiling.FORWARD_SCOPES))
+    profiling.declare_scopes("my_stage", "drift")
+    assert profiling.FORWARD_SCOPES.count("drift") == 1 and profiling.scope_names()[-1] == "my_stage"
+    with pytest.raises(ValueError, match="step's own scopes"):
+        profiling.declare_scopes("commit")
