@@ -12,9 +12,11 @@ from .spec import ModelSpec
 class Plan(NamedTuple):
     """Which positions each layer recomputes in one forward pass.
 
-    ``index``: LongTensor ``[B, C]`` (the same positions at every layer) or ``[n_layers, B, C]`` (per layer),
-    values in ``[0, T]`` where ``T`` (the cache's *trash slot*) marks an unused slot. ``valid``: BoolTensor of the
-    same shape, False for unused slots (their writes land in the trash slot and their outputs are ignored).
+    ``index``: LongTensor ``[B, C]`` (the same positions at every layer), ``[n_layers, B, C]`` (per layer) or a
+    tuple of ``n_layers`` LongTensors ``[B, C_l]`` (per layer, each layer as wide as it needs: a layer's rows are
+    gathered from the stored layer inputs), values in ``[0, T]`` where ``T`` (the cache's *trash slot*) marks an
+    unused slot. ``valid``: BoolTensor(s) of the same shape(s), False for unused slots (their writes land in the
+    trash slot and their outputs are ignored).
     ``target_offset``: the slot holding the hidden state that predicts the first position of the current block
     (the engine reads slots ``target_offset + arange(block_length)``; for Dream's shifted logits the plan starts
     one position before the block): a Python int, or a 0-d long tensor where it moves with the block, or a
@@ -30,7 +32,7 @@ class Plan(NamedTuple):
 
     @property
     def per_layer(self) -> bool:
-        return self.index.dim() == 3
+        return isinstance(self.index, tuple) or self.index.dim() == 3
 
     def at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.per_layer:

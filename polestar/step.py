@@ -94,14 +94,14 @@ def forced_commits(transfer: torch.Tensor, masked: torch.Tensor, confidence: tor
     return stalled[:, None] & best & masked
 
 
-def own_slots(plan: Plan, cache: DecodeCache) -> torch.Tensor:
-    """The plan slots that hold one of the row's own positions (valid, not left padding): ``[B, C]`` or
-    ``[L, B, C]`` bool, like ``plan.valid``. A sequence's own counters count these, so they do not depend on the
-    batch it was decoded in."""
+def own_rows(plan: Plan, cache: DecodeCache, n_layers: int) -> torch.Tensor:
+    """``[B]``: the plan slots, summed over the layers, that hold one of the row's own positions (valid, not left
+    padding). A sequence's own counters count these, so they do not depend on the batch it was decoded in."""
     key_valid = cache.key_valid
-    if plan.per_layer:
-        key_valid = key_valid.expand(plan.index.shape[0], -1, -1)
-    return plan.valid & key_valid.gather(-1, plan.index)
+    if not plan.per_layer:
+        return (plan.valid & key_valid.gather(1, plan.index)).sum(dim=-1) * n_layers
+    per_layer = [plan.at(layer) for layer in range(n_layers)]
+    return sum((valid & key_valid.gather(1, index)).sum(dim=-1) for index, valid in per_layer)
 
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -297,8 +297,7 @@ def decode_step(gen: Generation) -> StepOutput:
     if extra is not None:
         keep = state.x.gather(1, extra.positions)
         state.x.scatter_(1, extra.positions, torch.where(extra.commit, extra.tokens, keep))
-    own = own_slots(plan, cache).sum(dim=-1)
-    totals.evals.add_(own.sum(dim=0) if plan.per_layer else own * spec.n_layers)
+    totals.evals.add_(own_rows(plan, cache, spec.n_layers))
     if hook is not None:
         totals.evals.add_(hook.evals)
     totals.nfe.add_(stepped.long())

@@ -164,11 +164,11 @@ def check_step(record, mask_id: int, eos_id: int) -> None:
     assert (after.gather(1, region)[in_block & ~origin] == eos_id).all(), (
         "a commit without an origin that is not the EOS fill")
     plan = record.plan
-    valid = plan.valid.reshape(-1, *plan.valid.shape[-2:])
-    index = plan.index.reshape(-1, *plan.index.shape[-2:])
-    assert ((index[valid] >= 0) & (index[valid] < T)).all(), "the plan names a position outside the sequence"
+    layers = [plan.at(layer) for layer in range(len(plan.index))] if plan.per_layer else [plan.at(0)]
     running = active if record.held is None else active | record.held  # held rows compute, commit at the next step
-    assert not valid[:, ~running].any(), "the plan recomputes a frozen row"
+    for index, valid in layers:
+        assert ((index[valid] >= 0) & (index[valid] < T)).all(), "the plan names a position outside the sequence"
+        assert not valid[~running].any(), "the plan recomputes a frozen row"
 
 
 def check_decode_invariants(model, policy: str, prompts, swap: dict[str, Any] | None = None, gen_length: int = 16,

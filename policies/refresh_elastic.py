@@ -26,8 +26,9 @@ loop's one host read per step:
   multiple of :data:`GRANULE`), the trigger decided per row on the device at layers ``1 ..``;
 * ``fire0``: layer 0's trigger is decided at the end of the previous step (:meth:`ElasticCacheRefresh.look_ahead`:
   the query rows' layer-0 queries and keys projected from their embeddings); when it fires in some row, the step's
-  plan is ``[L, B, T]``: layer 0 computes the query rows, the layers above every position in the rows that fired
-  and the query rows in the others (which check the trigger from layer 1);
+  plan is per layer: layer 0 computes the query rows in ``C`` slots as a ``cached`` step does, the layers above
+  ``T`` slots (slot = position): every position in the rows that fired and the query rows in the others (which
+  check the trigger from layer 1);
 * ``rerun`` from layer ``s``: rows whose first trigger ``l ≥ 1`` leaves a layer above the merge layer
   (``l ≤ L - 3``) commit nothing in their ``cached`` step (:meth:`ElasticCacheRefresh.held`); the next step
   recomputes them, at layer ``l + 1`` every position that was not a query row (the query rows' outputs there are
@@ -36,8 +37,8 @@ loop's one host read per step:
 
 A trigger at the last two layers changes no logit (the merge layer's query rows attend to the keys they attended
 to), so it is not recomputed. Each row's forwards are the method's; the loop's steps include the ``rerun`` steps.
-Shapes: query plan ``[B, C]``, ``fire0`` and ``rerun`` plans ``[L, B, T]``, attention rows ``[B, H, ·, T + 1]``,
-cached queries ``[L, B, H, T + 1, hd]``, tracked tokens ``[L, B, track_num]``.
+Shapes: query plan ``[B, C]``, ``fire0`` plan ``([B, C], [B, T] × (L - 1))``, ``rerun`` plan ``[L, B, T]``,
+attention rows ``[B, H, ·, T + 1]``, cached queries ``[L, B, H, T + 1, hd]``, tracked tokens ``[L, B, track_num]``.
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ class ElasticCacheRefresh(RefreshSelector):
 
     def phase(self, position: StepPosition, state: DecodeState, local: ElasticState) -> tuple:
         """``("first",)`` at the generation's first step; ``("rerun", s)`` when the previous step deferred rows whose
-        lowest first trigger is at layer ``s - 1``; else ``("cached", C)`` with ``C`` plan slots, the query rows of
-        the row with most, rounded up to :data:`GRANULE` (both from the previous step's flags)."""
+        lowest first trigger is at layer ``s - 1``; else ``("cached", C)``, or ``("fire0", C)`` when layer 0's
+        trigger fired ahead in some row, with ``C`` plan slots for the query rows, the most of a row rounded up to
+        :data:`GRANULE` (all from the previous step's flags)."""
         if position.global_step == 0:
             return (FIRST,)
         L = state.n_layers
@@ -121,9 +123,8 @@ class ElasticCacheRefresh(RefreshSelector):
         fired = [j for j, flag in enumerate(reruns) if flag]
         if fired:
             return (RERUN, fired[0] + 1)
-        if any(fire0):
-            return (FIRE0,)
-        return (CACHED, min(state.length, GRANULE * (1 + sum(sizes))))
+        size = min(state.length, GRANULE * (1 + sum(sizes)))
+        return (FIRE0, size) if any(fire0) else (CACHED, size)
 
     @staticmethod
     def ahead(state: DecodeState) -> bool:
@@ -168,16 +169,16 @@ class ElasticCacheRefresh(RefreshSelector):
         local.member.copy_(member)
         local.seen.copy_(state.x == state.mask_id)
         local.fired.copy_(torch.where(local.fired0, -1, state.n_layers))
-        if kind == FIRE0:  # layer 0: the query rows; above: every position in rows that fired, the query rows else
-            L = state.n_layers
-            first = torch.arange(L, device=state.x.device)[:, None, None] == 0
-            rows = torch.where(local.fired0[:, None], cache.key_valid[:, :T], member)
-            index = torch.arange(T, device=state.x.device).expand(L, B, T)
-            return Plan(index, torch.where(first, member[None], rows[None]), state.region - shift)
         C = state.phase.refresh[1]
         index = torch.sort((~member).to(torch.int8), dim=1, stable=True).indices[:, :C]
-        slot = member.long().cumsum(dim=1) - 1  # [B, T] the plan slot of each member position
-        target = slot.gather(1, (state.region - shift).clamp_min(0)).clamp(0, C - 1)
+        target = query_slots(member, state.region - shift, C)
+        if kind == FIRE0:  # layer 0: the query rows (C slots); above: every position in rows that fired, the query
+            # rows else (slot == position)
+            rows = torch.where(local.fired0[:, None], cache.key_valid[:, :T], member)
+            above = torch.arange(T, device=state.x.device).expand(B, T)
+            L = state.n_layers
+            return Plan((index, *(above,) * (L - 1)), (member.gather(1, index), *(rows,) * (L - 1)),
+                        state.region - shift)
         return Plan(index, member.gather(1, index), target)
 
     def hook(self, state, plan, cache, model, local: ElasticState):
@@ -248,6 +249,13 @@ class ElasticCacheRefresh(RefreshSelector):
         return meter.result()
 
 
+def query_slots(member: torch.Tensor, positions: torch.Tensor, C: int) -> torch.Tensor:
+    """The plan slots ``[B, N]`` of ``positions [B, N]`` in a plan of the query rows ``member [B, T]`` in position
+    order (``C`` slots; a position that is no query row gets a slot in range, unused)."""
+    slot = member.long().cumsum(dim=1) - 1  # [B, T] the plan slot of each member position
+    return slot.gather(1, positions.clamp_min(0)).clamp(0, C - 1)
+
+
 def tracked_tokens(local: ElasticState, member: torch.Tensor, track_num: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tracked tokens (the union of every layer's ``local.track``) among the query rows ``member [B, T]``:
     positions ``[B, K]`` (ascending, ``K = min(T, L·track_num)``) and their validity ``[B, K]``."""
@@ -309,13 +317,17 @@ class _TrackPass(LayerHook):
     def check(self, layer: int, qkv: LayerQKV) -> None:
         """The trigger test (``cached`` steps only)."""
 
+    def window_slots(self, layer: int) -> torch.Tensor:
+        """``[B, R]``: the plan slots of the window's rows at ``layer``."""
+        return self.plan.target_offset
+
     def members(self, layer: int, qkv: LayerQKV) -> None:
         local, cache, state = self.local, self.cache, self.state
         B, H, _, hd = qkv.q.shape
         C = qkv.n_plan
         local.q[layer].scatter_(2, qkv.index[:, None, :, None].expand(-1, H, -1, hd), qkv.q[:, :, :C].to(local.q.dtype))
         self.check(layer, qkv)
-        slots = self.plan.target_offset
+        slots = self.window_slots(layer)
         q_win = qkv.q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd))
         w = self.ops.attention_probs(q_win, cache.k[layer], cache.key_valid, qkv.meter)  # [B, H, R, T + 1]
         focus = (w * state.region_valid[:, None, :, None]).sum(dim=(1, 2))[:, : state.length]
@@ -336,12 +348,19 @@ class _CachedPass(_TrackPass):
         super().__init__(*args)
         local = self.local
         self.track_pos, self.track_valid = tracked_tokens(local, local.member, self.sel.config.track_num)
-        if self.plan.per_layer:  # a ``fire0`` step: slot == position
-            self.track_slots = self.track_pos
-        else:
-            slot = local.member.long().cumsum(dim=1) - 1
-            self.track_slots = slot.gather(1, self.track_pos).clamp(0, self.plan.index.shape[1] - 1)
+        C = self.plan.index[0].shape[1] if self.plan.per_layer else self.plan.index.shape[1]
+        self.track_slots = query_slots(local.member, self.track_pos, C)  # layer 0's slots in a ``fire0`` step
+        # a ``fire0`` step's layer 0 computes the query rows in C slots, the layers above every position
+        self.window0 = query_slots(local.member, self.state.region - self.state.logit_shift, C)
         self.skip0 = self.sel.ahead(self.state)  # layer 0's trigger was decided ahead
+
+    def window_slots(self, layer: int) -> torch.Tensor:
+        return self.window0 if layer == 0 else self.plan.target_offset
+
+    def tracked_slots(self, layer: int) -> torch.Tensor:
+        """``[B, K]``: the tracked tokens' plan slots at ``layer`` (above layer 0 a ``fire0`` step's slot is the
+        position)."""
+        return self.track_pos if self.plan.per_layer and layer > 0 else self.track_slots
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> None:
         """Before the layer writes its keys: the tracked tokens' attention as it was (their cached queries over the
@@ -363,7 +382,7 @@ class _CachedPass(_TrackPass):
                 self.detail.triggered[0] = local.fired <= 0
             return
         H, hd = qkv.q.shape[1], qkv.q.shape[3]
-        q_now = qkv.q.gather(2, self.track_slots[:, None, :, None].expand(-1, H, -1, hd))
+        q_now = qkv.q.gather(2, self.tracked_slots(layer)[:, None, :, None].expand(-1, H, -1, hd))
         now = self.ops.attention_probs(q_now, cache.k[layer], cache.key_valid, qkv.meter)
         sim = attention_cosine(self.old, now, self.track_valid, cache.key_valid)
         hit = (local.fired == state.n_layers) & (sim < self.sel.config.gamma) & state.active

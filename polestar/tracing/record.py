@@ -145,7 +145,7 @@ def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: 
     commits = tuple(Commit(pos, after[pos], origin, c) for pos, (origin, c) in sorted(origins.items()))
     plan = record.plan
     if plan.per_layer:
-        computed = tuple(_positions(plan.index[layer, row], plan.valid[layer, row]) for layer in range(n_layers))
+        computed = tuple(_positions(plan.index[layer][row], plan.valid[layer][row]) for layer in range(n_layers))
     else:
         computed = (_positions(plan.index[row], plan.valid[row]),) * n_layers
     detail = record.detail
