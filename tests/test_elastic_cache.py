@@ -75,6 +75,17 @@ def test_a_prompt_longer_than_the_generation_is_the_released_code(name):
     assert out.tokens[:, out.prompt_len:].tolist() == want[:, out.prompt_len:].tolist()
 
 
+@pytest.mark.parametrize("name", ("tiny-llada", "tiny-dream"))
+def test_a_recomputation_from_layer_1_computes_layer_0_in_the_query_rows_slots(name):
+    """At gamma 1 nearly every forward triggers at layer 0 (decided ahead) and recomputes from layer 1: layer 0
+    computes the query rows in the cached step's slots, not a plan as wide as the sequence, so the rows the step
+    executes (padding slots included) exceed the sequence's own by the rounding of the query rows alone (a plan as
+    wide as the sequence at layer 0 gave 1.20x and 1.22x here)."""
+    out = run_policy(_model(name), PROMPTS[2:], gamma=1.0, eos_id=OFFICIAL_EOS)
+    own = sum(s.token_layer_evals for s in out.stats.sequences)
+    assert out.stats.token_layer_evals <= 1.05 * own
+
+
 @pytest.mark.parametrize("name", ("tiny-llada-noisy", "tiny-dream"))
 def test_one_prompt_at_a_time_equals_the_batch(name):
     model = _model(name)
