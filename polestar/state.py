@@ -173,19 +173,6 @@ class StepRecord(NamedTuple):
     held: torch.Tensor | None = None
 
 
-class ClusterDrift(NamedTuple):
-    """Polestar-Cache's clusters at one layer of one sparse-update step: ``drift [B, K]`` each cluster's proxy
-    drift against the previous update, ``counts [B, K]`` members per cluster, ``chosen [B, K]`` bool the clusters
-    whose members the update recomputed (the top drifting ones, in rows due for the update), ``positions [Nw]``
-    long the window's cache positions and ``labels [B, Nw]`` long each window position's cluster (-1 invalid)."""
-
-    drift: torch.Tensor
-    counts: torch.Tensor
-    chosen: torch.Tensor
-    positions: torch.Tensor
-    labels: torch.Tensor
-
-
 @attrs.define
 class StepDetail:
     """What the stages of one step gathered for an observer (``decode(..., on_step=...)``), keyed by layer.
@@ -195,8 +182,9 @@ class StepDetail:
     ``refreshed[l]``: ``(positions [B, M] long cache positions, valid [B, M] bool)`` of the members a sparse
     update recomputed at layer ``l`` (every sparse-update method, through
     :class:`~polestar.policies.sparse_update.SparseUpdate`); ``clusters[l]``: Polestar-Cache's
-    :class:`ClusterDrift`; ``similarity[l]``: Elastic-Cache's ``[B]`` cosine similarity of the tracked keys'
-    attention rows with the previous step's, ``triggered[l]``: ``[B]`` bool rows whose similarity fell below
+    :class:`~polestar.policies.polestar_hooks.ClusterDrift` (any record with per-row ``drift`` and ``chosen``
+    ``[B, K]``: the trace reads those); ``similarity[l]``: Elastic-Cache's ``[B]`` cosine similarity of the tracked
+    keys' attention rows with the previous step's, ``triggered[l]``: ``[B]`` bool rows whose similarity fell below
     ``gamma`` at this layer or below (so recomputed from their first triggered layer upward); ``computed[l]``:
     ``(positions [B, X], valid [B, X])`` of the plan rows layer ``l`` put through attention and the MLP, where a hook
     restricted the layer's pass to some of them (dLLM-Cache's feature cache; absent: every plan row)."""

@@ -22,7 +22,7 @@ member buffer ``[B, M_l]`` per layer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -32,7 +32,6 @@ from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache
 from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
-from polestar.state import ClusterDrift
 
 from .sparse_update import MemberStrategy, Packet, Selection, to_capacity
 
@@ -97,6 +96,19 @@ def proxy_probs(ops: LayerOps, cache: DecodeCache, layer: int, key_rope: tuple |
         cos, neg_sin = key_rope
         keys = Rotary.apply(keys, cos, neg_sin)
     return ops.attention_probs(q, keys, cache.key_valid, meter)
+
+
+class ClusterDrift(NamedTuple):
+    """Polestar-Cache's clusters at one layer of one sparse-update step: ``drift [B, K]`` each cluster's proxy
+    drift against the previous update, ``counts [B, K]`` members per cluster, ``chosen [B, K]`` bool the clusters
+    whose members the update recomputed (the top drifting ones, in rows due for the update), ``positions [Nw]``
+    long the window's cache positions and ``labels [B, Nw]`` long each window position's cluster (-1 invalid)."""
+
+    drift: torch.Tensor
+    counts: torch.Tensor
+    chosen: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
 
 
 class PolestarBuildHook(LayerHook):
