@@ -45,13 +45,8 @@ class LayerOps:
         """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]`` (None: no RoPE, the
         queries as at position 0): a pass over the layer's q weight of its own (a hook that needs queries it could not
         ride along the layer's pass), its rows counted as probe rows."""
-        spec = self.spec
         parts = self._model.layer_parts(layer)
-        B, X, _ = h.shape
-        meter.weight(parts.attn_norm.weight)
-        meter.linear(parts.q)
-        meter.rows(probe_rows=B * X)
-        q = parts.q(parts.attn_norm(h)).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
+        q = self._project(parts, parts.q, self.spec.n_heads, h, meter)
         if positions is None:
             return q
         cos, sin = self._model.rotary.cos_sin(positions)
@@ -60,13 +55,17 @@ class LayerOps:
     def project_values(self, layer: int, h: torch.Tensor, meter: CostMeter) -> torch.Tensor:
         """Values ``[B, Hkv, X, hd]`` of inputs ``h [B, X, d]``: a pass over the layer's v weight of its own, its rows
         counted as probe rows (a hook that compares values before it picks the rows the layer recomputes)."""
-        spec = self.spec
         parts = self._model.layer_parts(layer)
+        return self._project(parts, parts.v, self.spec.n_kv_heads, h, meter)
+
+    def _project(self, parts, linear, n_heads: int, h: torch.Tensor, meter: CostMeter) -> torch.Tensor:
+        """``linear(attn_norm(h))`` for ``h [B, X, d]`` as heads ``[B, n_heads, X, hd]``, the norm's and the
+        projection's weights and ``B · X`` probe rows counted."""
         B, X, _ = h.shape
         meter.weight(parts.attn_norm.weight)
-        meter.linear(parts.v)
+        meter.linear(linear)
         meter.rows(probe_rows=B * X)
-        return parts.v(parts.attn_norm(h)).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        return linear(parts.attn_norm(h)).view(B, X, n_heads, self.spec.head_dim).transpose(1, 2)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
                         meter: CostMeter | None = None) -> torch.Tensor:

@@ -236,7 +236,7 @@ class ElasticCacheRefresh(RefreshSelector):
         meter.linear(parts.k)
         keys = cache.k[0].scatter(2, index[:, None, :, None].expand(-1, spec.n_kv_heads, -1, spec.head_dim), k)
         track_pos, track_valid = tracked_tokens(local, member, self.config.track_num)
-        slot = (member.long().cumsum(dim=1) - 1).gather(1, track_pos).clamp(0, C - 1)
+        slot = query_slots(member, track_pos, C)
         H, hd = spec.n_heads, spec.head_dim
         old = model.attention_probs(local.q[0].gather(2, track_pos[:, None, :, None].expand(-1, H, -1, hd)),
                                     cache.k[0], cache.key_valid, meter)
