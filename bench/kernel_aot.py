@@ -267,7 +267,7 @@ def model_for(name: str) -> torch.nn.Module:
     :func:`cheap_matmuls`)."""
     from polestar import testing
     from polestar.models.layers import Rotary
-    from polestar.models.loading import FAMILIES
+    from polestar.models.loading import FAMILIES, build_on_meta
     from polestar.models.published import published
 
     family, checkpoint = MODELS[name]
@@ -276,9 +276,7 @@ def model_for(name: str) -> torch.nn.Module:
     spec_fn, cls, _ = FAMILIES[family]
     spec = attrs.evolve(spec_fn(published(checkpoint).config), n_layers=2, mlp_hidden=64, vocab_size=64,
                         embedding_size=64, mask_id=63, eos_id=62, pad_id=62)
-    with torch.device("meta"):
-        model = cls(spec)
-    model = model.to(dtype=torch.bfloat16).to_empty(device="cpu")
+    model = build_on_meta(cls, spec).to(dtype=torch.bfloat16).to_empty(device="cpu")
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if p.dim() == 1 and ("norm" in pname or pname.endswith("ln_f.weight")):
@@ -343,7 +341,7 @@ EXTRA_CALLS: dict[str, Callable[[Any, int, int], tuple]] = {
 def extra_launches(model: str, batch: int = 1, block: int = 32) -> list[Launch]:
     """The launches of :data:`EXTRA_CALLS` at ``model``'s shapes (the published vocabulary for a published
     geometry); ``site`` is ``"<model> b<batch>: <wrapper>"``."""
-    from polestar.models.loading import FAMILIES
+    from polestar.models.loading import FAMILIES, build_on_meta
     from polestar.models.published import published
 
     family, checkpoint = MODELS[model]

@@ -38,7 +38,10 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        # computed on the CPU and moved where the module is built: the first ``arange`` on the meta device (a model
+        # built there to know its shapes, as every load does) costs ~1.3 s of one-time setup
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        inv_freq = (1.0 / theta**exponents).to(torch.get_default_device())
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

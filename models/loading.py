@@ -197,9 +197,28 @@ def choose_dtype(cfg: dict[str, Any], entries: dict[str, TensorEntry],
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Tensor name → shape of every parameter the ``spec.family`` backbone of ``spec`` has (built on meta)."""
-    with torch.device("meta"):
-        model = FAMILIES[spec.family][1](spec)
-    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    return {name: tuple(p.shape) for name, p in build_on_meta(FAMILIES[spec.family][1], spec).state_dict().items()}
+
+
+def build_on_meta(cls: type[DiffusionLM], spec: ModelSpec) -> DiffusionLM:
+    """``cls(spec)`` on the meta device, its random initialisation skipped (:class:`_ShapesOnly`): the shapes of a
+    model whose weights come from elsewhere (a checkpoint, ``to_empty``)."""
+    with torch.device("meta"), _ShapesOnly():
+        return cls(spec)
+
+
+class _ShapesOnly(torch.overrides.TorchFunctionMode):
+    """Skips the in-place random fills of parameter initialisation. A meta tensor holds no values to fill, yet the
+    first ``normal_`` on the meta device imports dynamo (~1.5 s): every load builds its model on meta first, and a
+    command that never compiles would pay it at each start."""
+
+    _FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.normal_, torch.nn.init.uniform_,
+                        torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._FILLS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def tensor_problems(expected: dict[str, tuple[int, ...]], entries: dict[str, TensorEntry]) -> list[str]:
@@ -241,8 +260,7 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype | str | None = None,
     if dtype is None and choice.mixed:
         warnings.warn(f"{directory}: mixed weight dtypes; {choice.line()}", stacklevel=2)
     dtype = choice.dtype
-    with torch.device("meta"):
-        model = cls(spec)
+    model = build_on_meta(cls, spec)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     problems = tensor_problems(expected, entries)
     if problems:

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from .layers import Rotary
-from .loading import FAMILIES
+from .loading import FAMILIES, build_on_meta
 
 _TEMPLATES = Path(__file__).parent / "chat_templates"
 
@@ -293,9 +293,7 @@ def published_model(family: str, n_layers: int = 1, width: dict[str, Any] | None
     cfg = {**model_info.config, model_info.layers_key: n_layers, **(width or {})}
     spec_fn, cls, _ = FAMILIES[family]
     spec = spec_fn(cfg)
-    with torch.device("meta"):
-        model = cls(spec)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = build_on_meta(cls, spec).to(dtype=dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -3,9 +3,10 @@
 On CUDA, ``torch.compile(mode="reduce-overhead")`` records each graph once and replays it (cudagraph trees). It
 replays only a graph whose mutated inputs are all static addresses (parameters, buffers, tensors marked with
 ``torch._dynamo.mark_static_address``), it keeps one recording per distinct value of every int graph input, and a
-replay overwrites the outputs of the previous one. :class:`GraphProbe` is a ``torch.compile`` backend that traces
-each graph with dynamo and AOT autograd exactly as inductor would (the same functionalized graph and input
-metadata), generates no code, runs the traced graph eagerly, and records per graph:
+replay overwrites the outputs of the previous one. :class:`GraphProbe` is a ``torch.compile`` backend that gives
+each graph dynamo captured to AOT autograd's analysis pass, the one inductor's compile starts with (functionalization
+over fake tensors: which inputs each graph mutates and which have static addresses, the metadata cudagraph trees
+decide by), generates no code, runs dynamo's graph eagerly, and records per graph:
 
 * the inputs it mutates and which of them are static (:attr:`GraphReport.mutated_not_static`: must be empty);
 * the int and SymInt inputs (:attr:`GraphReport.int_inputs`: must be empty);
@@ -16,10 +17,16 @@ earlier step's output then gives other tokens or fails.
 
 Use it as ``StepRunner(GraphProbe(), device, pipeline, static_addresses=True)`` (static addresses marked as on
 CUDA), or through ``polestar.testing``.
+
+AOT autograd's second pass (tracing the functionalized graph that inductor lowers) adds nothing to these checks and
+takes about two thirds of AOT's time; ``GraphProbe(aot_graph=True)`` runs it anyway and executes that graph instead
+of dynamo's (the reports are the same). A torch whose AOT internals differ from the ones the analysis-only route
+calls gets the full route, with the same reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -55,12 +62,14 @@ class GraphReport(NamedTuple):
 
 
 class GraphProbe:
-    """A ``torch.compile`` backend (dynamo + AOT tracing, no code generation) that reports every graph it is given
-    as a :class:`GraphReport` in :attr:`graphs` and, with ``poison``, overwrites each call's outputs once the next
-    call has run (see the module docstring). ``calls``: how many times compiled graphs ran."""
+    """A ``torch.compile`` backend (dynamo + AOT autograd's analysis, no code generation) that reports every graph
+    it is given as a :class:`GraphReport` in :attr:`graphs` and, with ``poison``, overwrites each call's outputs once
+    the next call has run (see the module docstring). ``aot_graph``: also trace AOT's functionalized graph and run
+    it (slower; same reports). ``calls``: how many times compiled graphs ran."""
 
-    def __init__(self, poison: bool = False):
+    def __init__(self, poison: bool = False, aot_graph: bool = False):
         self.poison = poison
+        self.aot_graph = aot_graph
         self.graphs: list[GraphReport] = []
         self.calls = 0
         self._pending: list[torch.Tensor] = []
@@ -74,17 +83,24 @@ class GraphProbe:
         sources = [_source_name(node) for node in gm.graph.find_nodes(op="placeholder")]
         ints = tuple(src for src, x in zip(sources, example_inputs) if isinstance(x, (int, torch.SymInt)))
 
-        def inspect(fx_gm: torch.fx.GraphModule, inputs):
-            meta = torch._guards.TracingContext.get().fw_metadata
+        def report(meta) -> None:
             n_lifted = len(meta.input_info) - len(sources)
             names = [f"parameter {i}" for i in range(n_lifted)] + sources
             mutated = tuple(names[i] for i, info in enumerate(meta.input_info) if info.mutates_data
                             or info.mutates_metadata)
             static = tuple(names[i] for i in sorted(set(meta.static_input_indices or ())))
             self.graphs.append(GraphReport(name, tuple(names), mutated, static, ints))
-            return make_boxed_func(fx_gm.forward)
 
-        compiled = aot_autograd(fw_compiler=inspect)(gm, example_inputs)
+        meta = None if self.aot_graph else aot_input_metadata(gm, example_inputs)
+        if meta is not None:
+            report(meta)
+            compiled = gm.forward
+        else:
+            def inspect(fx_gm: torch.fx.GraphModule, inputs):
+                report(torch._guards.TracingContext.get().fw_metadata)
+                return make_boxed_func(fx_gm.forward)
+
+            compiled = aot_autograd(fw_compiler=inspect)(gm, example_inputs)
 
         def run(*args):
             out = compiled(*args)
@@ -100,6 +116,34 @@ class GraphProbe:
         for t in self._pending:
             poison_(t)
         self._pending = []
+
+
+def aot_input_metadata(gm: torch.fx.GraphModule, example_inputs):
+    """AOT autograd's analysis of ``gm`` (its ``ViewAndMutationMeta``: per input, whether the graph mutates its data
+    or metadata, and the static input indices), from the analysis pass alone, with the inputs laid out as inductor's
+    compile lays them out (lifted parameters first). ``None`` where this torch's AOT internals differ from the ones
+    called here (the caller then takes the full route)."""
+    try:
+        prepare, create_state, meta_type = _aot_internals()
+        with contextlib.ExitStack() as stack:
+            prepared = prepare(gm, example_inputs, None, None, False, False, flatten=False)
+            functional_call, _, _, _, fake_flat_args, descs, aot_config, fake_mode, shape_env = prepared[:9]
+            meta = create_state(stack, functional_call, fake_flat_args, descs, aot_config, fake_mode,
+                                shape_env).fw_metadata
+    except (ImportError, TypeError, ValueError, AttributeError):
+        return None
+    if not isinstance(meta, meta_type) or len(meta.input_info) != len(fake_flat_args):
+        return None
+    return meta
+
+
+def _aot_internals():
+    """AOT autograd's input preparation, its analysis pass and the type of the analysis' result (torch 2.13's
+    layout)."""
+    from torch._functorch._aot_autograd.schemas import ViewAndMutationMeta
+    from torch._functorch.aot_autograd import create_aot_state, prepare_aot_module_simplified
+
+    return prepare_aot_module_simplified, create_aot_state, ViewAndMutationMeta
 
 
 def poison_(t: torch.Tensor) -> None:

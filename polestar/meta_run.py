@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from polestar.models.loading import FAMILIES
+from polestar.models.loading import FAMILIES, build_on_meta
 from polestar.models.published import published
 
 from .config import GenerationConfig
@@ -86,9 +86,7 @@ def meta_model(family: str, dtype: torch.dtype = torch.bfloat16):
     """The published ``family`` model (``llada``, ``dream``, or a published name) at full size on the meta device."""
     info = published(family)
     spec_fn, cls, _ = FAMILIES[info.family]
-    with torch.device("meta"):
-        model = cls(spec_fn(dict(info.config)))
-    return model.to(dtype).eval()
+    return build_on_meta(cls, spec_fn(dict(info.config))).to(dtype).eval()
 
 
 @torch.inference_mode()

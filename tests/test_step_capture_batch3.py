@@ -4,6 +4,9 @@ and the ``trace`` and ``anatomy`` observers under a compiled step: they keep wha
 steps overwrite every tensor a step returned (:class:`polestar.graph_rules.GraphProbe` with ``poison=True``, as the
 next replay of a CUDA graph would), and their records equal eager decoding's.
 
+Both run LLaDA with one layer: what a second layer adds to a graph (the packet handed from one layer to the next) is
+captured at batch 1 in ``tests/test_step_capture.py``; a layer less takes a third off the tracing time.
+
 An observer puts a :class:`~polestar.state.StepDetail` in the step's state, so each policy compiles graphs of its
 own here (``tests/test_step_capture.py`` compiles the graphs without observers). What a record holds comes from the
 stages, so one policy per registered stage (from the registry, as the Dream shape of ``test_step_capture.py``)
@@ -28,14 +31,14 @@ from tests.test_step_capture import (
 
 @pytest.mark.parametrize("family, policy, batch, overrides", BATCH3, ids=case_ids(BATCH3))
 def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, batch, overrides):
-    _check_against_eager(_model(family), policy, batch, overrides)
+    _check_against_eager(_model(family, n_layers=1), policy, batch, overrides)
 
 
 @pytest.mark.parametrize("policy", _one_policy_per_stage())
 def test_observers_get_copies_that_outlive_the_next_step(policy):
     """The ``trace`` and ``anatomy`` observers keep what each step showed them while later steps overwrite every
     tensor a step returned: their records equal eager decoding's."""
-    model = _model("llada")
+    model = _model("llada", n_layers=1)
 
     def observe(compile):
         trace, anatomy = TraceRecorder(threshold=0.3, n_layers=model.spec.n_layers), CommitRecorder()
