@@ -1,7 +1,7 @@
 """Every step phase of every registered policy at the published LLaDA-8B / Dream-7B shapes (all layers, full width,
 bf16), run on the meta device: the step's shapes hold at full size, it reads nothing back to the host (a meta tensor
 has no value to read), and its peak memory (weights + the generation's buffers + the step's temporaries,
-:class:`polestar.meta_run.LiveBytes`) is printed and bounded at batch 1, 16 and 32."""
+:class:`polestar.meta_run.LiveBytes`) is printed and bounded at batch 1 and 32."""
 
 import pytest
 import torch
@@ -56,8 +56,8 @@ def test_every_phase_of_every_policy_runs_at_the_published_llada_shape(policy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llada", "dream"])
-def test_polestar_peak_memory_at_batch_1_16_32(family, capsys):
-    runs = {batch: _run(family, "polestar", batch) for batch in (1, 16, 32)}
+def test_polestar_peak_memory_at_batch_1_and_32(family, capsys):
+    runs = {batch: _run(family, "polestar", batch) for batch in (1, 32)}
     with capsys.disabled():
         for batch, run in runs.items():
             print(f"\n{family} polestar batch {batch}: weights {run.weight_bytes / GiB:.2f} GiB, buffers "

@@ -85,15 +85,25 @@ def _decode(model, policy: str, batch: int, compile, overrides=None, on_step=Non
     return tokens, stats, runner, reads
 
 
-def _check_against_eager(model, policy: str, batch: int, overrides=None, **shape) -> tuple[GraphProbe, PhaseRunner]:
-    eager_tokens, eager_stats, eager_runner, eager_reads = _decode(model, policy, batch, False, overrides, **shape)
+def _check_against_eager(model, policy: str, batch: int, overrides=None, observer=None,
+                         **shape) -> tuple[GraphProbe, PhaseRunner]:
+    """Decode eagerly, then twice through a poisoning :class:`GraphProbe` (the first compiles, the second reuses):
+    the same tokens and counters, one host read per step, one graph per step phase, no graph problem. ``observer``:
+    a factory of ``(on_step, records)`` pairs; a fresh one watches the eager and the second compiled run, and the
+    records it kept (read once the run ended) must be equal."""
+    observers = [observer() if observer else (None, list) for _ in range(3)]
+    eager_tokens, eager_stats, eager_runner, eager_reads = _decode(model, policy, batch, False, overrides,
+                                                                   on_step=observers[0][0], **shape)
     # one read per step (which blocks have work left), one before the first step, one for the final counters
     assert len(eager_reads) == eager_stats.nfe + 2, eager_reads
     assert eager_runner.eager_steps == eager_stats.nfe and eager_runner.compiled_steps == 0
     probe = GraphProbe(poison=True)
-    _decode(model, policy, batch, probe, overrides, **shape)  # compiles every step phase met (tracing reads the host)
+    # compiles every step phase met (tracing reads the host)
+    _decode(model, policy, batch, probe, overrides, on_step=observers[1][0], **shape)
     graphs = len(probe.graphs)
-    tokens, stats, runner, reads = _decode(model, policy, batch, probe, overrides, **shape)  # reuses graphs, buffers
+    tokens, stats, runner, reads = _decode(model, policy, batch, probe, overrides, on_step=observers[2][0],
+                                           **shape)  # reuses the graphs and the buffers
+    assert observers[2][1]() == observers[0][1]()
     assert len(probe.graphs) == graphs  # a second generation of the same shape compiles nothing
     assert runner.eager_steps == 0 and runner.compiled_steps == stats.nfe == probe.calls // 2 > 0
     assert stats.compiled_steps == stats.nfe and eager_stats.compiled_steps == 0
