@@ -341,7 +341,7 @@ EXTRA_CALLS: dict[str, Callable[[Any, int, int], tuple]] = {
 def extra_launches(model: str, batch: int = 1, block: int = 32) -> list[Launch]:
     """The launches of :data:`EXTRA_CALLS` at ``model``'s shapes (the published vocabulary for a published
     geometry); ``site`` is ``"<model> b<batch>: <wrapper>"``."""
-    from polestar.models.loading import FAMILIES, build_on_meta
+    from polestar.models.loading import FAMILIES
     from polestar.models.published import published
 
     family, checkpoint = MODELS[model]

@@ -4,9 +4,10 @@ step phase, and nothing read after the next step overwrote it. ``tests/test_step
 batch-3 cases of :data:`CASES` and the check with the ``trace`` and ``anatomy`` observers.
 
 The compiled runs use :class:`polestar.graph_rules.GraphProbe`: dynamo (``fullgraph=True``: any graph break fails)
-and AOT tracing exactly as inductor gets the graph, without inductor's code generation, so every policy is checked
-in seconds. The generation's buffers are marked as static addresses as on CUDA, and the probe poisons every tensor a
-step returned once the next step has run, as the next replay of a CUDA graph would; tokens and every counter must
+and AOT autograd's analysis of each graph, the one inductor's compile starts with, without inductor's code
+generation, so every policy is checked in seconds. The generation's buffers are marked as static addresses as on
+CUDA, and the probe poisons every tensor a step returned once the next step has run, as the next replay of a CUDA
+graph would; tokens and every counter must
 still equal eager decoding. ``tests/test_compile.py`` compiles a few policies with inductor.
 
 The LLaDA shape runs every registered policy at batch 1 (five blocks, no stop at EOS: the window refresh of block

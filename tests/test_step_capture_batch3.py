@@ -25,7 +25,6 @@ from tests.test_step_capture import (
     case_ids,
 )
 
-
 #: the policies whose batch-3 graphs are compiled with the observers attached (one per registered stage); the rest
 #: are compiled without
 OBSERVED = _one_policy_per_stage()
