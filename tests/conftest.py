@@ -29,8 +29,8 @@ SLOW_ELSEWHERE = {
     "tests/test_compile.py": ("test_compiled_generation_matches_eager_without_graph_breaks",
                               "test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_and_equals_eager"),
     "tests/test_step_capture.py": ("test_every_step_is_a_replayable_graph_with_one_host_read",),
-    "tests/test_step_capture_batch3.py": ("test_every_step_is_a_replayable_graph_with_one_host_read",
-                                          "test_observed_steps_are_replayable_graphs_and_observers_get_copies_that_outlive_the_next_step"),
+    "tests/test_step_capture_batch3.py": (
+        "test_observed_steps_are_replayable_graphs_and_observers_get_copies_that_outlive_the_next_step",),
     "tests/test_gpu_check.py": ("test_check_sh_installs_offline_and_runs_every_step",
                                 "test_check_sh_runs_from_the_source_tree_when_nothing_is_installed"),
     "tests/test_step_cost.py": ("test_profile_shares_cover_the_step_and_see_polestar_stages",),
@@ -44,11 +44,12 @@ SLOW_ELSEWHERE = {
 #: number of tests in a file, is turned off in :func:`pytest_configure`): these start first and the short files fill
 #: in around them, so the two workers end together instead of one starting a long file last.
 LONGEST_FIRST = (
-    "tests/test_step_capture.py", "tests/test_real_width.py", "tests/test_shipped.py",
-    "tests/test_step_capture_batch3.py", "tests/test_gpu_check.py", "tests/test_distributed.py",
-    "tests/test_meta_shapes.py", "tests/test_published_files.py", "tests/test_plugins.py",
-    "tests/test_bench_safety.py", "tests/kernels/test_kernel_aot.py", "tests/test_compile.py", "tests/test_lm_eval.py",
-    "tests/test_docs_examples.py", "tests/test_chat.py", "tests/test_elastic_cache.py", "tests/test_stage_checks.py",
+    "tests/test_compile.py", "tests/test_step_capture.py", "tests/test_real_width.py", "tests/test_meta_shapes.py",
+    "tests/test_step_capture_batch3.py", "tests/test_gpu_check.py", "tests/test_shipped.py",
+    "tests/test_distributed.py", "tests/test_bench_safety.py", "tests/test_plugins.py",
+    "tests/kernels/test_kernel_aot.py", "tests/test_published_files.py", "tests/kernels/test_kernel_kmeans.py",
+    "tests/test_lm_eval.py",
+    "tests/test_elastic_cache.py", "tests/test_docs_examples.py", "tests/test_stage_checks.py", "tests/test_chat.py",
 )
 
 

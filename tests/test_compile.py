@@ -21,27 +21,26 @@ def small_model():
 def test_compiled_generation_matches_eager_without_graph_breaks(small_model):
     counters.clear()
     kw = dict(gen_length=24, block_length=8, threshold=0.3, stop_at_eos=False)
-    for policy in ("fast-dllm", "polestar"):  # every policy is captured in tests/test_step_capture.py
-        eager = polestar.generate(small_model, PROMPTS, policy=policy, **kw)
-        compiled = polestar.generate(small_model, PROMPTS, policy=policy, compile=True, **kw)
-        assert compiled.tokens.tolist() == eager.tokens.tolist(), policy
-        # the cost counters come out of the compiled step as they do eagerly. Inductor fuses and reorders float
-        # ops, so hidden states differ from eager in the last bits; Polestar's k-means can then put a near-tie
-        # point in another cluster, and its members (their count) differ by a few rows. The exact equality of
-        # every counter is pinned with dynamo's capture alone in tests/test_step_capture.py.
-        counted = ("token_layer_evals", "proxy_query_evals", "weight_bytes", "kv_bytes")
-        assert [getattr(compiled.stats, c) for c in counted] == [getattr(eager.stats, c) for c in counted], policy
-        assert [s.nfe for s in compiled.stats.sequences] == [s.nfe for s in eager.stats.sequences], policy
-        own = [(s.token_layer_evals, e.token_layer_evals) for s, e in zip(compiled.stats.sequences,
-                                                                       eager.stats.sequences)]
-        if policy == "polestar":
-            assert all(abs(c - e) <= 0.02 * e for c, e in own), own
-        else:
-            assert all(c == e for c, e in own), (policy, own)
+    # Polestar's graphs hold fast-dllm's dual cache with the sparse updates, clusters, drift and quantized residuals
+    # on top; inductor compiles them here. Every policy is captured at dynamo's and AOT autograd's level in
+    # tests/test_step_capture.py (inductor's cold compile costs ~20 s a graph on a 2-core machine).
+    eager = polestar.generate(small_model, PROMPTS, policy="polestar", **kw)
+    compiled = polestar.generate(small_model, PROMPTS, policy="polestar", compile=True, **kw)
+    assert compiled.tokens.tolist() == eager.tokens.tolist()
+    # the cost counters come out of the compiled step as they do eagerly. Inductor fuses and reorders float
+    # ops, so hidden states differ from eager in the last bits; Polestar's k-means can then put a near-tie
+    # point in another cluster, and its members (their count) differ by a few rows. The exact equality of
+    # every counter is pinned with dynamo's capture alone in tests/test_step_capture.py.
+    counted = ("token_layer_evals", "proxy_query_evals", "weight_bytes", "kv_bytes")
+    assert [getattr(compiled.stats, c) for c in counted] == [getattr(eager.stats, c) for c in counted]
+    assert [s.nfe for s in compiled.stats.sequences] == [s.nfe for s in eager.stats.sequences]
+    own = [(s.token_layer_evals, e.token_layer_evals) for s, e in zip(compiled.stats.sequences,
+                                                                   eager.stats.sequences)]
+    assert all(abs(c - e) <= 0.02 * e for c, e in own), own
     assert dict(counters["graph_break"]) == {}
     # one graph per step variant (block start, window refresh, sparse-update step, last block, ...), block starts
     # included: the step ints are symbolic, so new blocks and steps replay graphs
-    assert 1 <= counters["stats"]["unique_graphs"] <= 12
+    assert 1 <= counters["stats"]["unique_graphs"] <= 6  # Polestar's six step phases at most
     # a second generation reuses the graphs
     before = counters["stats"]["unique_graphs"]
     polestar.generate(small_model, PROMPTS, policy="polestar", compile=True, **kw)

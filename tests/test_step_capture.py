@@ -11,8 +11,8 @@ graph would; tokens and every counter must
 still equal eager decoding. ``tests/test_compile.py`` compiles a few policies with inductor.
 
 The LLaDA shape runs every registered policy at batch 1 (five blocks, no stop at EOS: the window refresh of block
-index 3 is reached) and at batch 3 with mixed prompt lengths (stop at EOS); the Dream shape runs one policy per
-registered stage.
+index 3 is reached); at batch 3 with mixed prompt lengths (stop at EOS), the LLaDA and Dream shapes run one policy
+per registered stage (a graph is made of its stages' code; the compositions are all met at batch 1).
 """
 
 import pytest
@@ -53,8 +53,8 @@ class PhaseRunner(StepRunner):
 
 
 def _one_policy_per_stage() -> list[str]:
-    """From the registry: for every refresh and commit stage some policy uses, the first policy that uses it (the
-    Dream shape runs these; the LLaDA shape runs every policy)."""
+    """From the registry: for every stage some policy uses (of any kind), the first policy that uses it (batch 3
+    runs these; batch 1 runs every policy)."""
     chosen: list[str] = []
     seen: set[tuple[str, str]] = set()
     for name in policy_names():
@@ -117,15 +117,17 @@ def _check_against_eager(model, policy: str, batch: int, overrides=None, observe
     return probe, runner
 
 
-CASES = [("llada", p, 1, {}) for p in policy_names()] + [("llada", p, 3, {}) for p in policy_names()]
-CASES += [("dream", p, 3, {}) for p in _one_policy_per_stage()]
+# a step's graph is made of its stages' code: every composition of stages is captured at batch 1, and at batch 3
+# (rows of other lengths, rows that stop) one policy per registered stage on each family
+CASES = [("llada", p, 1, {}) for p in policy_names()]
+CASES += [(family, p, 3, {}) for family in ("llada", "dream") for p in _one_policy_per_stage()]
 # Polestar's block start clusters every layer in one call after the forward on a CPU (the default there); the route
 # a GPU takes by default, each layer clustered inside its pass, is captured too
-CASES += [(f, "polestar", 3, {"cluster_layers_together": False}) for f in ("llada", "dream")]
+CASES += [("llada", "polestar", 3, {"cluster_layers_together": False})]
 
 
-#: the LLaDA batch-3 cases run in ``tests/test_step_capture_batch3.py``, beside the observers' check: under
-#: ``--dist loadfile`` a file runs on one worker, and the two halves of the capture work take minutes each
+#: the LLaDA batch-3 cases run in ``tests/test_step_capture_batch3.py``, with the observers attached: under
+#: ``--dist loadfile`` a file runs on one worker, and the two halves of the capture work take a minute each
 BATCH3 = [case for case in CASES if case[0] == "llada" and case[2] == 3 and not case[3]]
 HERE = [case for case in CASES if case not in BATCH3]
 

@@ -1,14 +1,13 @@
-"""The LLaDA batch-3 cases of ``tests/test_step_capture.py`` (every registered policy, mixed prompt lengths, stop at
-EOS), in a file of their own so that the capture work runs on two workers under ``pytest -n 2 --dist loadfile``, and
-the ``trace`` and ``anatomy`` observers under a compiled step: they keep what each step showed them while later steps
-overwrite every tensor a step returned (:class:`polestar.graph_rules.GraphProbe` with ``poison=True``, as the next
-replay of a CUDA graph would), and their records equal eager decoding's.
+"""The LLaDA batch-3 cases of ``tests/test_step_capture.py`` (one policy per registered stage, mixed prompt lengths,
+stop at EOS), in a file of their own so that the capture work runs on two workers under ``pytest -n 2 --dist
+loadfile``, compiled with the ``trace`` and ``anatomy`` observers attached: they keep what each step showed them while
+later steps overwrite every tensor a step returned (:class:`polestar.graph_rules.GraphProbe` with ``poison=True``, as
+the next replay of a CUDA graph would), and their records equal eager decoding's.
 
 An observer puts a :class:`~polestar.state.StepDetail` in the step's state, so a policy compiles other graphs with
-observers than without. What a record holds comes from the stages, so one policy per registered stage (from the
-registry, as the Dream shape of ``test_step_capture.py``) is compiled here with the observers attached, and its
-graphs must follow the CUDA-graph rules like the others; the other policies are compiled without observers. Both
-run LLaDA with one layer: what a second layer adds to a graph (the packet handed from one layer to the next) is
+observers than without; what a record holds comes from the stages, hence one policy per registered stage (from the
+registry). Their graphs without observers are captured at batch 3 on the Dream shape and at batch 1 on LLaDA's. The
+model has one LLaDA layer: what a second layer adds to a graph (the packet handed from one layer to the next) is
 captured at batch 1 in ``tests/test_step_capture.py``; a layer less takes a third off the tracing time.
 """
 
@@ -17,23 +16,10 @@ import torch
 
 from polestar.bench.anatomy import CommitRecorder
 from polestar.tracing.record import TraceRecorder
-from tests.test_step_capture import (
-    BATCH3,
-    _check_against_eager,
-    _model,
-    _one_policy_per_stage,
-    case_ids,
-)
+from tests.test_step_capture import BATCH3, _check_against_eager, _model
 
-#: the policies whose batch-3 graphs are compiled with the observers attached (one per registered stage); the rest
-#: are compiled without
-OBSERVED = _one_policy_per_stage()
-PLAIN = [case for case in BATCH3 if case[1] not in OBSERVED]
-
-
-@pytest.mark.parametrize("family, policy, batch, overrides", PLAIN, ids=case_ids(PLAIN))
-def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, batch, overrides):
-    _check_against_eager(_model(family, n_layers=1), policy, batch, overrides)
+#: the policies compiled at batch 3 with the observers attached: one per registered stage
+OBSERVED = [case[1] for case in BATCH3]
 
 
 @pytest.mark.parametrize("policy", OBSERVED)
