@@ -48,8 +48,8 @@ LONGEST_FIRST = (
     "tests/test_step_capture_batch3.py", "tests/test_gpu_check.py", "tests/test_shipped.py",
     "tests/test_distributed.py", "tests/test_bench_safety.py", "tests/test_plugins.py",
     "tests/kernels/test_kernel_aot.py", "tests/test_published_files.py", "tests/kernels/test_kernel_kmeans.py",
-    "tests/test_lm_eval.py",
-    "tests/test_elastic_cache.py", "tests/test_docs_examples.py", "tests/test_stage_checks.py", "tests/test_chat.py",
+    "tests/test_lm_eval.py", "tests/test_elastic_cache.py", "tests/test_docs_examples.py", "tests/test_stage_checks.py",
+    "tests/test_chat.py",
 )
 
 

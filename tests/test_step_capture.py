@@ -8,7 +8,7 @@ and AOT autograd's analysis of each graph, the one inductor's compile starts wit
 generation, so every policy is checked in seconds. The generation's buffers are marked as static addresses as on
 CUDA, and the probe poisons every tensor a step returned once the next step has run, as the next replay of a CUDA
 graph would; tokens and every counter must
-still equal eager decoding. ``tests/test_compile.py`` compiles a few policies with inductor.
+still equal eager decoding. ``tests/test_compile.py`` compiles Polestar (and the parallel policy) with inductor.
 
 The LLaDA shape runs every registered policy at batch 1 (five blocks, no stop at EOS: the window refresh of block
 index 3 is reached); at batch 3 with mixed prompt lengths (stop at EOS), the LLaDA and Dream shapes run one policy
@@ -118,25 +118,20 @@ def _check_against_eager(model, policy: str, batch: int, overrides=None, observe
 
 
 # a step's graph is made of its stages' code: every composition of stages is captured at batch 1, and at batch 3
-# (rows of other lengths, rows that stop) one policy per registered stage on each family
-CASES = [("llada", p, 1, {}) for p in policy_names()]
-CASES += [(family, p, 3, {}) for family in ("llada", "dream") for p in _one_policy_per_stage()]
+# (rows of other lengths, rows that stop) one policy per registered stage: Dream's here, LLaDA's with the observers
+# attached in tests/test_step_capture_batch3.py (under ``--dist loadfile`` a file runs on one worker, and the two
+# halves of the capture work take a minute each)
+CASES = [("llada", p, 1, {}) for p in policy_names()] + [("dream", p, 3, {}) for p in _one_policy_per_stage()]
 # Polestar's block start clusters every layer in one call after the forward on a CPU (the default there); the route
 # a GPU takes by default, each layer clustered inside its pass, is captured too
 CASES += [("llada", "polestar", 3, {"cluster_layers_together": False})]
-
-
-#: the LLaDA batch-3 cases run in ``tests/test_step_capture_batch3.py``, with the observers attached: under
-#: ``--dist loadfile`` a file runs on one worker, and the two halves of the capture work take a minute each
-BATCH3 = [case for case in CASES if case[0] == "llada" and case[2] == 3 and not case[3]]
-HERE = [case for case in CASES if case not in BATCH3]
 
 
 def case_ids(cases) -> list[str]:
     return [f"{f}-{p}-b{b}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, p, b, o in cases]
 
 
-@pytest.mark.parametrize("family, policy, batch, overrides", HERE, ids=case_ids(HERE))
+@pytest.mark.parametrize("family, policy, batch, overrides", CASES, ids=case_ids(CASES))
 def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, batch, overrides):
     probe, runner = _check_against_eager(_model(family), policy, batch, overrides)
     if family == "llada" and batch == 1 and not overrides and policy in GRAPHS_AT_BATCH_1:

@@ -16,10 +16,10 @@ import torch
 
 from polestar.bench.anatomy import CommitRecorder
 from polestar.tracing.record import TraceRecorder
-from tests.test_step_capture import BATCH3, _check_against_eager, _model
+from tests.test_step_capture import _check_against_eager, _model, _one_policy_per_stage
 
 #: the policies compiled at batch 3 with the observers attached: one per registered stage
-OBSERVED = [case[1] for case in BATCH3]
+OBSERVED = _one_policy_per_stage()
 
 
 @pytest.mark.parametrize("policy", OBSERVED)
