@@ -172,6 +172,18 @@ def _pad_last(x: Tensor) -> Tensor:
     return (F.pad(x, (0, pad)) if pad else x).contiguous()
 
 
+def divide_correctly_rounded(x: Tensor, divisor: float) -> Tensor:
+    """``x / divisor``, correctly rounded (IEEE) on every device: ``x`` any shape, same shape out.
+
+    A plain ``x / 6.0`` is not: CUDA's eager kernels turn a division by a Python number into a multiplication by
+    its (rounded) reciprocal, which is one ulp off for about a third of the inputs; for bf16 rows about one NVFP4
+    block in 2,500 then has its scale moved across an e4m3 rounding tie, and the block's codes differ from the
+    Triton kernel's (``div_rn``). Dividing by a tensor keeps the IEEE division. (Inductor's GPU code
+    rewrites a division by a constant the same way: compiled on a GPU, the quantizers run the Triton kernel.)
+    """
+    return x / torch.full_like(x, divisor)
+
+
 def nvfp4_global_scale(x: Tensor) -> Tensor:
     """NVFP4 per-tensor scale ``amax(|x|) / (448 * 6)`` as a ``[]`` fp32 tensor (1 if it would be 0).
 
@@ -180,7 +192,7 @@ def nvfp4_global_scale(x: Tensor) -> Tensor:
     """
     if x.numel() == 0:
         return torch.ones((), dtype=torch.float32, device=x.device)
-    g = x.detach().abs().amax().float() / (FP8_E4M3_MAX * FP4_E2M1_MAX)
+    g = divide_correctly_rounded(x.detach().abs().amax().float(), FP8_E4M3_MAX * FP4_E2M1_MAX)
     return torch.where(g > 0, g, torch.ones_like(g))
 
 
@@ -191,7 +203,7 @@ def nvfp4_row_scale(x: Tensor) -> Tensor:
     """
     if x.shape[-1] == 0:
         return torch.ones((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    g = x.detach().abs().amax(-1, keepdim=True).float() / (FP8_E4M3_MAX * FP4_E2M1_MAX)
+    g = divide_correctly_rounded(x.detach().abs().amax(-1, keepdim=True).float(), FP8_E4M3_MAX * FP4_E2M1_MAX)
     return torch.where(g > 0, g, torch.ones_like(g))
 
 
@@ -226,7 +238,8 @@ def reference_nvfp4_quantize(x: Tensor, per_row: bool = False) -> NVFP4Tensor:
     xp = _pad_last(x.float())
     blocks = xp.unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., Dp/16, 16]
     amax = blocks.abs().amax(-1)
-    scale = (amax / FP4_E2M1_MAX / g).clamp(E4M3_MIN_NORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = divide_correctly_rounded(amax, FP4_E2M1_MAX) / g
+    scale = scale.clamp(E4M3_MIN_NORMAL, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     total = g * scale.float()
     codes = fp4_encode(blocks / total.unsqueeze(-1)).flatten(-2)
     return NVFP4Tensor(pack_fp4(codes), scale, g, x.shape, x.dtype)

@@ -78,7 +78,8 @@ def test_check_sh_installs_offline_and_runs_every_step(bare_python, tmp_path):
     assert rows["fp8_compile_blocker"] is None and rows["skipped"] == []
     kernels = {k["kernel"]: k for k in rows["kernels"]}
     assert set(kernels) == {"proxy_attention", "kl_drift", "kmeans_assign", "nvfp4_quantize", "nvfp4_dequantize"}
-    assert kernels["kmeans_assign"]["max_abs_diff"] == 0 and kernels["nvfp4_quantize"]["max_abs_diff"] == 0
+    assert set(check.EXACT_KERNELS) < set(kernels) and rows["kernel_mismatches"] == []
+    assert all(kernels[name]["max_abs_diff"] == 0 for name in check.EXACT_KERNELS)
     assert kernels["proxy_attention"]["max_abs_diff"] < 1e-5 and kernels["kl_drift"]["max_abs_diff"] < 1e-5
 
 
@@ -151,6 +152,13 @@ def test_graph_events_count_replays_recordings_and_skips(monkeypatch):
     assert (torch.cuda.CUDAGraph.replay, torch.cuda.CUDAGraph.capture_begin) == (replay, capture)
     assert (cudagraph_trees.log_cudagraph_skip_and_bump_counter is logger
             is cudagraph_utils.log_cudagraph_skip_and_bump_counter)
+
+
+def test_an_exact_kernel_that_differs_from_its_reference_is_named():
+    rows = [{"kernel": "proxy_attention", "max_abs_diff": 8.9e-8}, {"kernel": "kmeans_assign", "max_abs_diff": 0.0},
+            {"kernel": "nvfp4_quantize", "max_abs_diff": 17.0}]
+    assert check.kernel_mismatches(rows) == [
+        "nvfp4_quantize: the Triton kernel and its torch reference differ by up to 17 (they must be equal)"]
 
 
 def test_budget_skips_rows_once_spent(capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from polestar.kernels import quant as qt
 
@@ -92,6 +93,16 @@ def scale_bytes(t: qt.NVFP4Tensor) -> torch.Tensor:
     return t.block_scale.view(torch.uint8)
 
 
+class CudaScalarDivision(TorchDispatchMode):
+    """Divides the way CUDA's eager kernels do, on any device: ``tensor / number`` becomes ``tensor * (1 / number)``
+    with the reciprocal rounded to the tensor's dtype (ATen's true-division kernel for a scalar divisor)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.div.Tensor and isinstance(args[1], (int, float)) and not kwargs:
+            return torch.ops.aten.mul.Tensor(args[0], 1.0 / args[1])
+        return func(*args, **(kwargs or {}))
+
+
 # ----------------------------------------------------------------------------- strategies
 
 
@@ -140,6 +151,24 @@ def test_reference_matches_naive(x):
     assert dq.shape == x.shape and dq.dtype == x.dtype
     expected = torch.tensor(naive_dequant(codes, scales, g)).reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
     assert torch.equal(dq, expected.to(x.dtype))
+
+
+@pytest.mark.parametrize(("per_row", "magnitude"), [(False, 3.0), (True, 1.0)])  # inputs where the rule bites
+def test_reference_gives_the_same_bits_under_cuda_division(per_row, magnitude):
+    """The reference's bits do not depend on how the device divides by a Python number (on an H200 the Triton
+    kernel and a reference dividing by ``6.0`` disagreed on bf16 rows: CUDA multiplies by the reciprocal)."""
+    x = (torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * magnitude).bfloat16()
+    expected = qt.reference_nvfp4_quantize(x, per_row=per_row)
+    with CudaScalarDivision():
+        got = qt.reference_nvfp4_quantize(x, per_row=per_row)
+    assert torch.equal(got.packed, expected.packed)
+    assert torch.equal(scale_bytes(got), scale_bytes(expected))
+    assert torch.equal(got.global_scale, expected.global_scale)
+    # the rule has teeth on this input: a block scale computed as amax / 6.0 under it rounds differently
+    amax = x.float().unflatten(-1, (-1, 16)).abs().amax(-1)
+    with CudaScalarDivision():
+        naive = (amax / qt.FP4_E2M1_MAX / expected.global_scale).clamp(2.0**-6, 448.0).to(torch.float8_e4m3fn)
+    assert (naive.view(torch.uint8) != scale_bytes(expected)).any()
 
 
 def test_fp4_encode_ties_round_to_even():
