@@ -181,7 +181,7 @@ def divide_correctly_rounded(x: Tensor, divisor: float) -> Tensor:
     Triton kernel's (``div_rn``). Dividing by a tensor keeps the IEEE division. (Inductor's GPU code
     rewrites a division by a constant the same way: compiled on a GPU, the quantizers run the Triton kernel.)
     """
-    return x / torch.full_like(x, divisor)
+    return x / x.new_full((), divisor)  # a 0-dim tensor on x's device, not a Python number
 
 
 def nvfp4_global_scale(x: Tensor) -> Tensor:

@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             elif budget.allows("polestar+fp8 compiled", COMPILE_RESERVE):
                 print(f"\n# step 5: quant='fp8' compiled at {args.compile_layers} layers\n{HEADER}")
                 keep(decode_row(small, args, device, "polestar", args.batches[0], True, args.compile_layers,
-                                       quant="fp8"))
+                                quant="fp8"))
         if blocker is None:
             print("\n# step 6: Triton kernels against torch at one step's shapes (ms)")
             result["kernels"] = kernel_rows(args, device)
@@ -491,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
                                                         if budget.skipped else ""), flush=True)
         if args.json_out:
             write_atomic(args.json_out, json.dumps(result, indent=1))
-        for line in result.get("kernel_mismatches", []):
+        mismatches = result.get("kernel_mismatches", [])
+        for line in mismatches:
             print(f"error: {line}", file=sys.stderr)
-        if result.get("kernel_mismatches"):
+        if mismatches:
             return 3
     finally:
         if not args.workdir:
