@@ -18,7 +18,7 @@ from polestar.kernels.proxy_attention import proxy_attention
 
 from .cost import CostMeter
 from .hooks import LayerHook
-from .layers import Rotary
+from .layers import RopeTable, Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
 from .text import TextDefaults
@@ -36,6 +36,18 @@ class LayerParts(NamedTuple):
     gate: nn.Linear
     up: nn.Linear
     down: nn.Linear
+
+
+class FusedProjections(NamedTuple):
+    """One layer's projections that read the same input, each as one weight: ``qkv [(H + 2 Hkv) hd, d]`` (q, k, v
+    rows stacked) with ``qkv_bias [(H + 2 Hkv) hd]`` or None, ``gate_up [2 m, d]`` (gate, up) with ``gate_up_bias``
+    or None. The layer's q/k/v and gate/up parameters are views into them (:meth:`DiffusionLM.fuse_projections`), so
+    the weights are stored once and a layer's pass makes one matmul of each instead of five."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
 
 
 class ExtraRows(NamedTuple):
@@ -140,6 +152,51 @@ class DiffusionLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self._fused: list[FusedProjections] = []
+
+    # -- fused projections --------------------------------------------------------------------------------
+    def fuse_projections(self) -> None:
+        """Store each layer's q/k/v weights (and biases) as one tensor and its gate/up weights as another, the
+        parameters re-pointed as views into them (:class:`FusedProjections`); parameters already fused are left as
+        they are. The families call it once built; moving or casting the model (``to``, ``to_empty``, ``float``)
+        calls it again, and :meth:`ensure_fused` before a decode notices parameters replaced by hand. At most one
+        layer's projections are held twice at a time (while they are copied into their fused tensor)."""
+        fused = []
+        for layer in range(self.spec.n_layers):
+            p = self.layer_parts(layer)
+            fused.append(FusedProjections(
+                _fused_view((p.q.weight, p.k.weight, p.v.weight)), _fused_view((p.q.bias, p.k.bias, p.v.bias)),
+                _fused_view((p.gate.weight, p.up.weight)), _fused_view((p.gate.bias, p.up.bias)),
+            ))
+        self._fused = fused
+
+    def ensure_fused(self) -> None:
+        """Re-fuse the projections (:meth:`fuse_projections`) if any parameter no longer lies in its fused tensor
+        (a parameter assigned by hand, ``load_state_dict(assign=True)``). Host-side; the engine calls it before
+        a generation's first step."""
+        if len(self._fused) != self.spec.n_layers or not all(
+            _is_view_of(f.qkv, (p.q.weight, p.k.weight, p.v.weight)) and _is_view_of(f.gate_up, (p.gate.weight, p.up.weight))
+            and _is_view_of(f.qkv_bias, (p.q.bias, p.k.bias, p.v.bias))
+            for f, p in zip(self._fused, map(self.layer_parts, range(self.spec.n_layers)))
+        ):
+            self.fuse_projections()
+
+    def projections(self, layer: int) -> FusedProjections:
+        """Layer ``layer``'s :class:`FusedProjections`. Under autograd with trainable weights they are concatenated
+        from the parameters (so gradients reach them); otherwise the stored fused tensors."""
+        if torch.is_grad_enabled():
+            p = self.layer_parts(layer)
+            if p.q.weight.requires_grad:
+                return FusedProjections(_cat(p.q.weight, p.k.weight, p.v.weight), _cat(p.q.bias, p.k.bias, p.v.bias),
+                                        _cat(p.gate.weight, p.up.weight), _cat(p.gate.bias, p.up.bias))
+        return self._fused[layer]
+
+    def _apply(self, fn, recurse=True):
+        fused, self._fused = bool(self._fused), []  # the old fused tensors are freed with the parameters they held
+        out = super()._apply(fn, recurse)
+        if fused:  # the parameters were moved or cast one by one: fuse them again
+            self.fuse_projections()
+        return out
 
     # -- family hooks -------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
@@ -175,6 +232,7 @@ class DiffusionLM(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones(B, L, dtype=torch.bool, device=input_ids.device)
         cache = self.new_cache(attention_mask, separate_layers=torch.is_grad_enabled())
+        self.ensure_fused()
         out = self.run_plan(input_ids, cache, full_plan(B, L, input_ids.device))
         logits = self.head(out.hidden)
         if self.spec.logit_shift:
@@ -212,9 +270,15 @@ class DiffusionLM(nn.Module):
         h = None
         if plan.first_layer > 0 and not plan.per_layer:
             raise ValueError("a plan that starts above layer 0 must be per layer")
+        shared = None if plan.per_layer else torch.where(plan.valid, plan.index, trash)
+        rope = None if shared is None else self.rotary.table(cache.positions.gather(1, shared))
         for layer in range(plan.first_layer, spec.n_layers):
-            index, valid = plan.at(layer)
-            index = torch.where(valid, index, trash)
+            if shared is None:
+                index, valid = plan.at(layer)
+                index = torch.where(valid, index, trash)
+                rope = self.rotary.table(cache.positions.gather(1, index))
+            else:
+                index = shared
             if layer == 0:
                 tokens = torch.cat([ids, ids[:, :1]], dim=1).gather(1, index)
                 h = self.embed(tokens)
@@ -227,10 +291,8 @@ class DiffusionLM(nn.Module):
                 h = cache.hidden[layer].gather(1, index[..., None].expand(-1, -1, spec.d_model))
             if cache.hidden is not None and (layer == 0 or not plan.per_layer):
                 _scatter_rows(cache.hidden[layer], index, h)
-            positions = cache.positions.gather(1, index)
             want_probe = probe is not None and probe.layer == layer
-            h, probs = self.layer_step(layer, h, index, positions, cache, probe.rows if want_probe else None,
-                                       hook, meter)
+            h, probs = self.layer_step(layer, h, index, rope, cache, probe.rows if want_probe else None, hook, meter)
             if want_probe:
                 probe_out = probs
             prev_index = index
@@ -254,11 +316,38 @@ class DiffusionLM(nn.Module):
         cache.k[layer].scatter_(2, slot, k)
         cache.v[layer].scatter_(2, slot, v)
 
-    def layer_step(self, layer, h, index, positions, cache: DecodeCache, probe_rows, hook: LayerHook | None,
+    def project_qkv(self, layer: int, rows: torch.Tensor, rope: RopeTable, meter: CostMeter):
+        """Layer ``layer``'s q, k, v of ``rows [B, X, d]``: the attention norm, one matmul over the fused q/k/v weight
+        (:meth:`projections`) and one rotation of the q and k heads together (``rope``: the rows' :class:`RopeTable`)
+        → ``q [B, H, X, hd]``, ``k, v [B, Hkv, X, hd]`` (views of the rotated and projected rows). Counted on
+        ``meter`` as the norm's and each projection's weights."""
+        spec, parts = self.spec, self.layer_parts(layer)
+        B, X, _ = rows.shape
+        H, Hkv = spec.n_heads, spec.n_kv_heads
+        w = self.projections(layer)
+        qkv = F.linear(parts.attn_norm(rows), w.qkv, w.qkv_bias).view(B, X, H + 2 * Hkv, spec.head_dim)
+        qk = Rotary.rotate(qkv[:, :, : H + Hkv], rope)
+        meter.weight(parts.attn_norm.weight)
+        for proj in (parts.q, parts.k, parts.v):
+            meter.linear(proj)
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)
+
+    def mlp(self, layer: int, hid: torch.Tensor, meter: CostMeter) -> torch.Tensor:
+        """Layer ``layer``'s MLP branch of ``hid [B, X, d]`` (its residual not added): the MLP norm, one matmul over
+        the fused gate/up weight, SwiGLU and the down projection → ``[B, X, d]``, counted on ``meter``."""
+        parts = self.layer_parts(layer)
+        w = self.projections(layer)
+        gate, up = F.linear(parts.mlp_norm(hid), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        meter.weight(parts.mlp_norm.weight)
+        for proj in (parts.gate, parts.up, parts.down):
+            meter.linear(proj)
+        return parts.down(F.silu(gate) * up)
+
+    def layer_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, probe_rows, hook: LayerHook | None,
                    meter: CostMeter):
-        """One pass over layer ``layer``'s weights: each projection (q, k, v, o, gate, up, down) is applied once,
-        to the plan's rows ``h [B, C, d]`` (slots ``index``, RoPE ``positions [B, C]``) concatenated with the
-        hook's rows.
+        """One pass over layer ``layer``'s weights: each projection (the fused q/k/v, o, the fused gate/up, down) is
+        applied once, to the plan's rows ``h [B, C, d]`` (slots ``index``, rotary factors ``rope`` of ``C`` rows)
+        concatenated with the hook's rows.
 
         1. q, k, v of [plan rows | hook's extra rows]; K/V written at their slots (extra rows that only query
            point at the trash slot);
@@ -276,27 +365,19 @@ class DiffusionLM(nn.Module):
         if features is not None:
             if probe_rows is not None:
                 raise ValueError("an attention probe cannot ride along a layer that reuses cached features")
-            return self._feature_step(layer, h, index, positions, cache, hook, meter, features), None
+            return self._feature_step(layer, h, index, rope, cache, hook, meter, features), None
         spec = self.spec
         parts = self.layer_parts(layer)
         B, C, _ = h.shape
         extra = hook.extra_rows(layer, h, meter) if hook is not None else None
-        rows, pos, kv_index = h, positions, index
+        rows, kv_index = h, index
         if extra is not None:
             rows = torch.cat([h, extra.inputs.to(h.dtype)], dim=1)
-            pos = torch.cat([positions, extra.positions], dim=1)
+            rope = rope.cat(self.rotary.table(extra.positions))
             kv_index = torch.cat([index, extra.kv_index], dim=1)
         X = rows.shape[1]
-        x = parts.attn_norm(rows)
-        q = parts.q(x).view(B, X, spec.n_heads, spec.head_dim).transpose(1, 2)
-        k = parts.k(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        v = parts.v(x).view(B, X, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        cos, sin = self.rotary.cos_sin(pos)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        q, k, v = self.project_qkv(layer, rows, rope, meter)
         self.write_kv(cache, layer, kv_index, k, v)
-        meter.weight(parts.attn_norm.weight)
-        for proj in (parts.q, parts.k, parts.v):
-            meter.linear(proj)
         members = hook.members(layer, LayerQKV(h, index, q, v, meter)) if hook is not None else None
         q_att, resid = q[:, :, :C], h
         if members is not None:
@@ -315,17 +396,14 @@ class DiffusionLM(nn.Module):
             rows_q = probe_rows[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
             probs = self.attention_probs(q_att.gather(2, rows_q), keys, cache.key_valid, meter)
         hid = resid + parts.o(att.transpose(1, 2).reshape(B, C + M, spec.d_model))
-        y = parts.mlp_norm(hid)
-        out = hid + parts.down(F.silu(parts.gate(y)) * parts.up(y))
-        meter.weight(parts.mlp_norm.weight)
-        for proj in (parts.o, parts.gate, parts.up, parts.down):
-            meter.linear(proj)
+        meter.linear(parts.o)
+        out = hid + self.mlp(layer, hid, meter)
         if members is not None:
             hook.after_layer(layer, out[:, C:])
             out = out[:, :C]
         return out, probs
 
-    def _feature_step(self, layer, h, index, positions, cache: DecodeCache, hook: LayerHook, meter: CostMeter,
+    def _feature_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, hook: LayerHook, meter: CostMeter,
                       features: CachedFeatures) -> torch.Tensor:
         """:meth:`layer_step` with feature caching: the ``R`` rows of ``features.rows`` go through q/k/v (K/V written
         at their slots), attention over the layer's cache, o (→ ``features.attn`` at those rows), then the MLP of
@@ -337,25 +415,16 @@ class DiffusionLM(nn.Module):
         B, R = rows.shape
         if R > 0:
             d = spec.d_model
-            x = parts.attn_norm(_gather_rows(h, rows))
-            q = parts.q(x).view(B, R, spec.n_heads, spec.head_dim).transpose(1, 2)
-            k = parts.k(x).view(B, R, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-            v = parts.v(x).view(B, R, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-            cos, sin = self.rotary.cos_sin(positions.gather(1, rows))
-            q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+            q, k, v = self.project_qkv(layer, _gather_rows(h, rows), rope.rows(rows), meter)
             self.write_kv(cache, layer, index.gather(1, rows), k, v)
             keys, values = cache.k[layer], cache.v[layer]
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.key_valid[:, None, None, :],
                                                  enable_gqa=spec.n_kv_heads != spec.n_heads)
             _scatter_rows(features.attn, rows, parts.o(att.transpose(1, 2).reshape(B, R, d)))
-            y = parts.mlp_norm(_gather_rows(h + features.attn, rows))
-            _scatter_rows(features.mlp, rows, parts.down(F.silu(parts.gate(y)) * parts.up(y)))
+            meter.linear(parts.o)
+            _scatter_rows(features.mlp, rows, self.mlp(layer, _gather_rows(h + features.attn, rows), meter))
             meter.rows(layer_rows=B * R)
             meter.attention(keys, values)
-            for weight in (parts.attn_norm.weight, parts.mlp_norm.weight):
-                meter.weight(weight)
-            for proj in (parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down):
-                meter.linear(proj)
         return (h + features.attn) + features.mlp
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
@@ -381,3 +450,49 @@ def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def _scatter_rows(buffer: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``buffer[b, index[b, c]] = values[b, c]`` in place; ``buffer [B, T+1, d]``, ``index [B, C]``."""
     buffer.scatter_(1, index[..., None].expand(-1, -1, buffer.shape[-1]), values)
+
+
+def _cat(*params: torch.Tensor | None) -> torch.Tensor | None:
+    """The parameters stacked along their output rows (differentiable), or None when they have none (no bias)."""
+    return None if params[0] is None else torch.cat(params)
+
+
+def _is_view_of(whole: torch.Tensor | None, params: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether ``params`` lie back to back in ``whole`` (the fused tensor they were made views of). On the meta
+    device, which has no addresses, never."""
+    if whole is None or params[0] is None:
+        return whole is None and params[0] is None
+    if whole.device.type == "meta":
+        return False
+    row, ptr = whole.stride(0) * whole.element_size(), whole.data_ptr()
+    for p in params:
+        if p.data_ptr() != ptr or p.dtype != whole.dtype:
+            return False
+        ptr += p.shape[0] * row
+    return ptr == whole.data_ptr() + whole.shape[0] * row
+
+
+def _fused_view(params: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
+    """One tensor holding ``params`` stacked along their output rows, each parameter a view (``.data``) of its rows:
+    the parameters' own storage when they already lie back to back in it, else a new tensor they are copied into
+    and re-pointed at. None when they have none (no bias)."""
+    if params[0] is None:
+        return None
+    first = params[0]
+    rows = sum(p.shape[0] for p in params)
+    if first.device.type != "meta" and all(p.is_contiguous() and p.dtype == first.dtype for p in params):
+        storage, ptr = first.untyped_storage(), first.data_ptr()
+        for p in params:
+            if p.untyped_storage().data_ptr() != storage.data_ptr() or p.data_ptr() != ptr:
+                break
+            ptr += p.numel() * p.element_size()
+        else:
+            return first.data.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]),
+                                                first.stride())
+    with torch.no_grad():
+        whole = torch.cat([p.data for p in params])
+        offset = 0
+        for p in params:
+            p.data = whole[offset : offset + p.shape[0]]
+            offset += p.shape[0]
+    return whole

@@ -149,6 +149,7 @@ class Dream(DiffusionLM):
             )
             for layer in self.model.layers
         ]
+        self.fuse_projections()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,11 +31,32 @@ class RMSNorm(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class RopeTable(NamedTuple):
+    """Rotary factors of ``X`` rows, laid out for rows of heads ``[B, X, n_heads, hd]``: ``cos [B, X, 1, hd]`` and
+    ``sin [B, X, 1, hd]`` with its first half negated, fp32 (:meth:`Rotary.table`). Built once per plan and step, then
+    shared by every layer that runs those rows."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> RopeTable:
+        """The factors of rows ``index [B, R]`` (indices into this table's ``X`` rows) → ``[B, R, 1, hd]``."""
+        slot = index[:, :, None, None].expand(-1, -1, 1, self.cos.shape[-1])
+        return RopeTable(self.cos.gather(1, slot), self.sin.gather(1, slot))
+
+    def cat(self, other: RopeTable) -> RopeTable:
+        """This table's rows followed by ``other``'s."""
+        return RopeTable(torch.cat([self.cos, other.cos], dim=1), torch.cat([self.sin, other.sin], dim=1))
+
+
 class Rotary(nn.Module):
     """Half-split rotary embedding (``rotate_half``), as LLaDA and Qwen2/Dream apply it.
 
     ``cos_sin(positions [B, C])`` → cos, sin ``[B, 1, C, head_dim]`` in fp32; ``apply(x [B, H, C, hd], cos, sin)``
-    rotates in fp32 and returns the input dtype.
+    rotates in fp32 and returns the input dtype. The layer pass uses the same rotation in a form of fewer operations:
+    :meth:`table` once per plan (``[B, X, 1, hd]`` factors, the sine's first half negated), then per layer
+    :meth:`rotate` on rows of heads ``[B, X, n, hd]`` (q and k heads together): ``x cos + roll(x, hd/2) sin``, which is
+    ``apply``'s ``x cos + rotate_half(x) sin`` exactly (a roll by half and a negated factor give the same products).
     """
 
     def __init__(self, head_dim: int, theta: float):
@@ -49,9 +72,22 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos(), emb.sin()
 
+    def table(self, positions: torch.Tensor) -> RopeTable:
+        """:class:`RopeTable` of RoPE ``positions [B, X]`` (the same cos and sin values as :meth:`cos_sin`)."""
+        cos, sin = self.cos_sin(positions)
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return RopeTable(cos.transpose(1, 2), signed.transpose(1, 2))
+
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
         return (xf * cos + rotated * sin).to(x.dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
+        """``x [B, X, n, hd]`` rotated by ``table`` (rows ``X``), in fp32, returned in ``x``'s dtype."""
+        xf = x.float()
+        return (xf * table.cos + xf.roll(xf.shape[-1] // 2, dims=-1) * table.sin).to(x.dtype)

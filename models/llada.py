@@ -164,6 +164,7 @@ class LLaDA(DiffusionLM):
             LayerParts(b.attn_norm, b.q_proj, b.k_proj, b.v_proj, b.attn_out, b.ff_norm, b.ff_proj, b.up_proj, b.ff_out)
             for b in transformer["blocks"]
         ]
+        self.fuse_projections()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.transformer["wte"](ids)

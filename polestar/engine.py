@@ -126,6 +126,7 @@ def start_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_mas
     """Allocate one generation: tokens ``[B, P + G]`` (generation region masked), the cache, the random buffers,
     the step clock, the counters and each stage's state."""
     spec = model.spec
+    model.ensure_fused()  # host-side: parameters replaced by hand since the last decode are fused again
     device = prompt_ids.device
     B, P = prompt_ids.shape
     G = config.gen_length
