@@ -161,34 +161,26 @@ class DiffusionLM(nn.Module):
         they are. The families call it once built; moving or casting the model (``to``, ``to_empty``, ``float``)
         calls it again, and :meth:`ensure_fused` before a decode notices parameters replaced by hand. At most one
         layer's projections are held twice at a time (while they are copied into their fused tensor)."""
-        fused = []
-        for layer in range(self.spec.n_layers):
-            p = self.layer_parts(layer)
-            fused.append(FusedProjections(
-                _fused_view((p.q.weight, p.k.weight, p.v.weight)), _fused_view((p.q.bias, p.k.bias, p.v.bias)),
-                _fused_view((p.gate.weight, p.up.weight)), _fused_view((p.gate.bias, p.up.bias)),
-            ))
-        self._fused = fused
+        self._fused = [FusedProjections(*map(_fused_view, _fused_groups(self.layer_parts(layer))))
+                       for layer in range(self.spec.n_layers)]
 
     def ensure_fused(self) -> None:
         """Re-fuse the projections (:meth:`fuse_projections`) if any parameter no longer lies in its fused tensor
         (a parameter assigned by hand, ``load_state_dict(assign=True)``). Host-side; the engine calls it before
         a generation's first step."""
-        if len(self._fused) != self.spec.n_layers or not all(
-            _is_view_of(f.qkv, (p.q.weight, p.k.weight, p.v.weight)) and _is_view_of(f.gate_up, (p.gate.weight, p.up.weight))
-            and _is_view_of(f.qkv_bias, (p.q.bias, p.k.bias, p.v.bias))
-            for f, p in zip(self._fused, map(self.layer_parts, range(self.spec.n_layers)))
+        layers = range(self.spec.n_layers)
+        if len(self._fused) != len(layers) or not all(
+            _is_view_of(whole, params) for layer in layers
+            for whole, params in zip(self._fused[layer], _fused_groups(self.layer_parts(layer)))
         ):
             self.fuse_projections()
 
     def projections(self, layer: int) -> FusedProjections:
         """Layer ``layer``'s :class:`FusedProjections`. Under autograd with trainable weights they are concatenated
         from the parameters (so gradients reach them); otherwise the stored fused tensors."""
-        if torch.is_grad_enabled():
-            p = self.layer_parts(layer)
-            if p.q.weight.requires_grad:
-                return FusedProjections(_cat(p.q.weight, p.k.weight, p.v.weight), _cat(p.q.bias, p.k.bias, p.v.bias),
-                                        _cat(p.gate.weight, p.up.weight), _cat(p.gate.bias, p.up.bias))
+        parts = self.layer_parts(layer)
+        if torch.is_grad_enabled() and parts.q.weight.requires_grad:
+            return FusedProjections(*(None if ps[0] is None else torch.cat(ps) for ps in _fused_groups(parts)))
         return self._fused[layer]
 
     def _apply(self, fn, recurse=True):
@@ -452,9 +444,11 @@ def _scatter_rows(buffer: torch.Tensor, index: torch.Tensor, values: torch.Tenso
     buffer.scatter_(1, index[..., None].expand(-1, -1, buffer.shape[-1]), values)
 
 
-def _cat(*params: torch.Tensor | None) -> torch.Tensor | None:
-    """The parameters stacked along their output rows (differentiable), or None when they have none (no bias)."""
-    return None if params[0] is None else torch.cat(params)
+def _fused_groups(p: LayerParts) -> tuple[tuple[torch.Tensor | None, ...], ...]:
+    """The parameters of each :class:`FusedProjections` field, in its order (a bias group holds Nones without
+    biases)."""
+    return ((p.q.weight, p.k.weight, p.v.weight), (p.q.bias, p.k.bias, p.v.bias), (p.gate.weight, p.up.weight),
+            (p.gate.bias, p.up.bias))
 
 
 def _is_view_of(whole: torch.Tensor | None, params: tuple[torch.Tensor | None, ...]) -> bool:
