@@ -52,6 +52,7 @@ def decode(
     graph per step variant while it records); the stages gather a :class:`~polestar.state.StepDetail` per step.
     ``runner`` (optional): a :class:`StepRunner` to run the steps with (its step counters then cover this run).
     """
+    model.ensure_fused()  # host-side: parameters replaced by hand since the last decode are fused again
     gen = acquire_generation(model, prompt_ids, attention_mask, pipeline, config, stop_ids)
     try:
         runner = runner if runner is not None else StepRunner(compile, prompt_ids.device, pipeline)
@@ -126,7 +127,6 @@ def start_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_mas
     """Allocate one generation: tokens ``[B, P + G]`` (generation region masked), the cache, the random buffers,
     the step clock, the counters and each stage's state."""
     spec = model.spec
-    model.ensure_fused()  # host-side: parameters replaced by hand since the last decode are fused again
     device = prompt_ids.device
     B, P = prompt_ids.shape
     G = config.gen_length

@@ -1,0 +1,26 @@
+"""Operations per eager step (views excluded), the figure that predicts a launch-bound GPU step: pinned for the
+cache baseline at the published depth and bounded for the policies with per-layer work of their own."""
+
+import pytest
+
+from polestar.bench.step_ops import step_ops
+
+#: ceilings of ops per step at 32 layers, tiny width (measured values rounded up by ~3 %): a change that adds
+#: per-layer operations to a policy's step fails here and says by how much
+CEILINGS = {"fast-dllm": 672, "polestar": 1565, "elastic-cache": 2375, "dllm-cache": 1295}
+
+
+def test_the_dual_cache_step_issues_at_most_25_operations_per_layer():
+    ops = step_ops("fast-dllm", 32)
+    assert ops.per_layer <= 25, ops
+
+
+@pytest.mark.parametrize("policy", sorted(CEILINGS))
+def test_ops_per_step_stay_under_their_ceiling(policy):
+    ops = step_ops(policy, 32)
+    assert ops.per_step <= CEILINGS[policy], f"{policy}: {ops.per_step:.1f} ops per step > {CEILINGS[policy]}"
+
+
+def test_ops_per_layer_do_not_grow_with_depth():
+    shallow, deep = step_ops("fast-dllm", 8), step_ops("fast-dllm", 32)
+    assert deep.per_layer <= shallow.per_layer  # the step's fixed part spreads over more layers; nothing per layer grows
