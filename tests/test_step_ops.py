@@ -23,4 +23,5 @@ def test_ops_per_step_stay_under_their_ceiling(policy):
 
 def test_ops_per_layer_do_not_grow_with_depth():
     shallow, deep = step_ops("fast-dllm", 8), step_ops("fast-dllm", 32)
-    assert deep.per_layer <= shallow.per_layer  # the step's fixed part spreads over more layers; nothing per layer grows
+    # the step's fixed part spreads over more layers; nothing per layer grows
+    assert deep.per_layer <= shallow.per_layer
