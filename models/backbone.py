@@ -11,13 +11,13 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from polestar.kernels.proxy_attention import proxy_attention
 
 from .cost import CostMeter
 from .hooks import LayerHook
+from .layer_regions import LayerWeights, attend_mlp, attend_out, mlp_branch, qkv_rows
 from .layers import RopeTable, Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
@@ -153,6 +153,7 @@ class DiffusionLM(nn.Module):
         self.spec = spec
         self.rotary = Rotary(spec.head_dim, spec.rope_theta)
         self._fused: list[FusedProjections] = []
+        self._weights: list[LayerWeights] = []
 
     # -- fused projections --------------------------------------------------------------------------------
     def fuse_projections(self) -> None:
@@ -163,6 +164,7 @@ class DiffusionLM(nn.Module):
         layer's projections are held twice at a time (while they are copied into their fused tensor)."""
         self._fused = [FusedProjections(*map(_fused_view, _fused_groups(self.layer_parts(layer))))
                        for layer in range(self.spec.n_layers)]
+        self._weights = [self._layer_weights(layer) for layer in range(self.spec.n_layers)]
 
     def ensure_fused(self) -> None:
         """Re-fuse the projections (:meth:`fuse_projections`) if any parameter no longer lies in its fused tensor
@@ -174,6 +176,22 @@ class DiffusionLM(nn.Module):
             for whole, params in zip(self._fused[layer], _fused_groups(self.layer_parts(layer)))
         ):
             self.fuse_projections()
+        else:  # a norm, o or down parameter replaced by hand is a new object: list the current ones
+            self._weights = [self._layer_weights(layer) for layer in layers]
+
+    def _layer_weights(self, layer: int) -> LayerWeights:
+        p, f = self.layer_parts(layer), self._fused[layer]
+        return LayerWeights(p.attn_norm.weight, p.attn_norm.bias, f.qkv, f.qkv_bias, p.o.weight, p.o.bias,
+                            p.mlp_norm.weight, p.mlp_norm.bias, f.gate_up, f.gate_up_bias, p.down.weight, p.down.bias)
+
+    def layer_weights(self, layer: int) -> LayerWeights:
+        """Layer ``layer``'s tensors as the layer regions take them (:mod:`polestar.models.layer_regions`), with its
+        :meth:`projections`."""
+        if torch.is_grad_enabled() and self.layer_parts(layer).q.weight.requires_grad:
+            f = self.projections(layer)
+            return self._layer_weights(layer)._replace(qkv=f.qkv, qkv_bias=f.qkv_bias, gate_up=f.gate_up,
+                                                       gate_up_bias=f.gate_up_bias)
+        return self._weights[layer]
 
     def projections(self, layer: int) -> FusedProjections:
         """Layer ``layer``'s :class:`FusedProjections`. Under autograd with trainable weights they are concatenated
@@ -310,30 +328,26 @@ class DiffusionLM(nn.Module):
 
     def project_qkv(self, layer: int, rows: torch.Tensor, rope: RopeTable, meter: CostMeter):
         """Layer ``layer``'s q, k, v of ``rows [B, X, d]``: the attention norm, one matmul over the fused q/k/v weight
-        (:meth:`projections`) and one rotation of the q and k heads together (``rope``: the rows' :class:`RopeTable`)
-        → ``q [B, H, X, hd]``, ``k, v [B, Hkv, X, hd]`` (views of the rotated and projected rows). Counted on
-        ``meter`` as the norm's and each projection's weights."""
-        spec, parts = self.spec, self.layer_parts(layer)
-        B, X, _ = rows.shape
-        H, Hkv = spec.n_heads, spec.n_kv_heads
-        w = self.projections(layer)
-        qkv = F.linear(parts.attn_norm(rows), w.qkv, w.qkv_bias).view(B, X, H + 2 * Hkv, spec.head_dim)
-        qk = Rotary.rotate(qkv[:, :, : H + Hkv], rope)
+        (:meth:`projections`) and one rotation of the q and k heads together (``rope``: the rows' :class:`RopeTable`),
+        in one compile region (:func:`~polestar.models.layer_regions.qkv_rows`) → ``q [B, H, X, hd]``,
+        ``k, v [B, Hkv, X, hd]`` (views). Counted on ``meter`` as the norm's and each projection's weights."""
+        spec, parts, w = self.spec, self.layer_parts(layer), self.layer_weights(layer)
+        H = spec.n_heads
+        qk, qkv = qkv_rows(rows, w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, rope.cos, rope.sin,
+                           spec.norm_eps, H, spec.n_kv_heads)
+        v = qkv[:, :, H + spec.n_kv_heads :]
         meter.weight(parts.attn_norm.weight)
         for proj in (parts.q, parts.k, parts.v):
             meter.linear(proj)
-        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv :].transpose(1, 2)
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
-    def mlp(self, layer: int, hid: torch.Tensor, meter: CostMeter) -> torch.Tensor:
-        """Layer ``layer``'s MLP branch of ``hid [B, X, d]`` (its residual not added): the MLP norm, one matmul over
-        the fused gate/up weight, SwiGLU and the down projection → ``[B, X, d]``, counted on ``meter``."""
+    def _count_out_mlp(self, layer: int, meter: CostMeter) -> None:
+        """Count one pass over layer ``layer``'s o, MLP norm, gate, up and down weights."""
         parts = self.layer_parts(layer)
-        w = self.projections(layer)
-        gate, up = F.linear(parts.mlp_norm(hid), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        meter.linear(parts.o)
         meter.weight(parts.mlp_norm.weight)
         for proj in (parts.gate, parts.up, parts.down):
             meter.linear(proj)
-        return parts.down(F.silu(gate) * up)
 
     def layer_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, probe_rows, hook: LayerHook | None,
                    meter: CostMeter):
@@ -359,7 +373,6 @@ class DiffusionLM(nn.Module):
                 raise ValueError("an attention probe cannot ride along a layer that reuses cached features")
             return self._feature_step(layer, h, index, rope, cache, hook, meter, features), None
         spec = self.spec
-        parts = self.layer_parts(layer)
         B, C, _ = h.shape
         extra = hook.extra_rows(layer, h, meter) if hook is not None else None
         rows, kv_index = h, index
@@ -378,18 +391,15 @@ class DiffusionLM(nn.Module):
         M = resid.shape[1] - C
         meter.rows(layer_rows=B * (C + M), probe_rows=B * (X - C))
         keys, values = cache.k[layer], cache.v[layer]
-        att = F.scaled_dot_product_attention(
-            q_att, keys, values, attn_mask=cache.key_valid[:, None, None, :],
-            enable_gqa=spec.n_kv_heads != spec.n_heads,
-        )
         meter.attention(keys, values)
         probs = None
         if probe_rows is not None:
             rows_q = probe_rows[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
             probs = self.attention_probs(q_att.gather(2, rows_q), keys, cache.key_valid, meter)
-        hid = resid + parts.o(att.transpose(1, 2).reshape(B, C + M, spec.d_model))
-        meter.linear(parts.o)
-        out = hid + self.mlp(layer, hid, meter)
+        w = self.layer_weights(layer)
+        out = attend_mlp(q_att, resid, keys, values, cache.key_valid, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias,
+                         w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps)
+        self._count_out_mlp(layer, meter)
         if members is not None:
             hook.after_layer(layer, out[:, C:])
             out = out[:, :C]
@@ -402,19 +412,18 @@ class DiffusionLM(nn.Module):
         ``h + attn`` at those rows (→ ``features.mlp``); every plan row's output is ``(h + attn) + mlp`` ``[B, C, d]``.
         With ``R = 0`` no weight is read. The hook may not add extra rows or members to such a layer."""
         spec = self.spec
-        parts = self.layer_parts(layer)
         rows = features.rows
         B, R = rows.shape
         if R > 0:
-            d = spec.d_model
+            w = self.layer_weights(layer)
             q, k, v = self.project_qkv(layer, _gather_rows(h, rows), rope.rows(rows), meter)
             self.write_kv(cache, layer, index.gather(1, rows), k, v)
             keys, values = cache.k[layer], cache.v[layer]
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.key_valid[:, None, None, :],
-                                                 enable_gqa=spec.n_kv_heads != spec.n_heads)
-            _scatter_rows(features.attn, rows, parts.o(att.transpose(1, 2).reshape(B, R, d)))
-            meter.linear(parts.o)
-            _scatter_rows(features.mlp, rows, self.mlp(layer, _gather_rows(h + features.attn, rows), meter))
+            _scatter_rows(features.attn, rows, attend_out(q, keys, values, cache.key_valid, w.o, w.o_bias))
+            _scatter_rows(features.mlp, rows, mlp_branch(_gather_rows(h + features.attn, rows), w.mlp_norm,
+                                                         w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down,
+                                                         w.down_bias, spec.norm_eps))
+            self._count_out_mlp(layer, meter)
             meter.rows(layer_rows=B * R)
             meter.attention(keys, values)
         return (h + features.attn) + features.mlp

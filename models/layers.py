@@ -22,13 +22,18 @@ class RMSNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == self.weight.dtype == torch.float32 and self.bias is None:  # one fused op, bit-identical in fp32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return out if self.bias is None else out + self.bias
+        return rms_norm(x, self.weight, self.bias, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm` as a function of its weight, bias (or None) and epsilon."""
+    dtype = x.dtype
+    if dtype == weight.dtype == torch.float32 and bias is None:  # one fused op, bit-identical in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return out if bias is None else out + bias
 
 
 class RopeTable(NamedTuple):

@@ -361,10 +361,12 @@ def compiled_step(model: DiffusionLM, pipeline: Pipeline, backend: str | Callabl
     return fn
 
 
-#: inductor options of the compiled CPU step: its wrapper (the code that allocates the buffers and calls the
-#: kernels) generated in C++ rather than Python, and without the checks of every extern kernel's output sizes,
-#: strides and alignment (the step's shapes are static); measured in the docs' performance page
-_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
+#: inductor options of the compiled CPU step: without the checks of every extern kernel's output sizes, strides and
+#: alignment (the step's shapes are static). Its wrapper (the code that allocates the buffers and calls the kernels)
+#: stays in Python: inductor's C++ wrapper cannot call a nested compile region, and the layer regions
+#: (:mod:`polestar.models.layer_regions`) are what keeps the compile from growing with depth (measured in the
+#: docs' performance page)
+_INDUCTOR_OPTIONS = {"size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
 
 #: guard sources a bound step drops (see :func:`compiled_step`): its model and its stages, whether reached from the
 #: generation (``gen.model``, ``gen.pipeline``) or from a per-generation structure that holds a stage (a row
@@ -382,8 +384,9 @@ def step_guards(entries) -> list[bool]:
 class StepRunner:
     """Runs :func:`decode_step` eagerly or compiled, and counts how each step ran.
 
-    With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor, its
-    wrapper generated in C++ on a CPU, :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA); a string names another
+    With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor,
+    :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA), in which each layer's model work is a nested compile region
+    compiled once for every layer (:mod:`polestar.models.layer_regions`); a string names another
     ``torch.compile`` backend (``"eager"`` checks that the step is captured whole without generating code, as the
     tests do; a callable backend such as :class:`polestar.graph_rules.GraphProbe` is used as given) unless a stage
     of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs eagerly and is counted so).

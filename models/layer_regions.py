@@ -1,0 +1,96 @@
+"""One decoder layer's model work as pure functions of explicit tensors, each compiled once and reused by every layer.
+
+A compiled step that ran the layers' code inline would unroll every layer into its graph (32 copies at the
+published depth, minutes of compile). Each function here is a *nested compile region*
+(``torch.compiler.nested_compile_region``): inside ``torch.compile`` the first call is traced and compiled, and the
+other layers' calls reuse it, because every per-layer difference is an argument tensor of the same shape (the
+layer's weights, its K/V cache slice) and every Python constant (head counts, the norm's epsilon) is the same at
+every layer. Outside ``torch.compile`` they are plain functions. None of them writes to its inputs (a region with
+side effects could not be reused): the K/V writes and a sparse update's hooks run between them, in the step.
+
+Shapes: rows ``[B, X, d]``; rotary factors ``cos, sin [B, X, 1, hd]`` (:class:`~polestar.models.layers.RopeTable`);
+queries ``[B, H, Q, hd]``; cached keys and values ``[B, Hkv, T + 1, hd]``; ``key_valid [B, T + 1]`` bool.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .layers import RopeTable, Rotary, rms_norm
+
+
+def _identity(fn):
+    return fn
+
+
+#: ``torch.compiler.nested_compile_region`` where this torch has it; elsewhere each call is traced inline
+region = getattr(torch.compiler, "nested_compile_region", _identity)
+
+
+class LayerWeights(NamedTuple):
+    """One layer's tensors in the order the regions take them (biases None where the checkpoint has none):
+    attention norm, fused q/k/v (:class:`~polestar.models.backbone.FusedProjections`), o, MLP norm, fused gate/up,
+    down."""
+
+    attn_norm: torch.Tensor
+    attn_norm_bias: torch.Tensor | None
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    mlp_norm_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@region
+def qkv_rows(rows, norm, norm_bias, qkv, qkv_bias, cos, sin, eps: float, n_heads: int, n_kv_heads: int):
+    """The attention norm of ``rows [B, X, d]``, one matmul over the fused q/k/v weight and one rotation of the q and
+    k heads together → ``qk [B, X, H + Hkv, hd]`` (rotated q heads then k heads) and the projection
+    ``qkv [B, X, H + 2 Hkv, hd]``, whose last ``Hkv`` heads are the values. (Both are whole tensors: a region that
+    returned a view of the projection was miscompiled by inductor, its values overwritten.)"""
+    B, X, _ = rows.shape
+    hd = cos.shape[-1]
+    out = F.linear(rms_norm(rows, norm, norm_bias, eps), qkv, qkv_bias).view(B, X, n_heads + 2 * n_kv_heads, hd)
+    return Rotary.rotate(out[:, :, : n_heads + n_kv_heads], RopeTable(cos, sin)), out
+
+
+def _attend(q, keys, values, key_valid):
+    """Scaled dot-product attention of ``q [B, H, Q, hd]`` over the valid cached keys → ``[B, Q, H · hd]``."""
+    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_valid[:, None, None, :],
+                                         enable_gqa=keys.shape[1] != q.shape[1])
+    return att.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float):
+    gate, up = F.linear(rms_norm(hid, norm, norm_bias, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down, down_bias)
+
+
+@region
+def attend_mlp(q, resid, keys, values, key_valid, o, o_bias, norm, norm_bias, gate_up, gate_up_bias, down,
+               down_bias, eps: float):
+    """The rest of a layer for the rows whose queries are ``q [B, H, Q, hd]`` and whose layer inputs are
+    ``resid [B, Q, d]``: attention over the layer's cache, o and the residual, then the MLP (norm, fused gate/up,
+    SwiGLU, down) and its residual → ``[B, Q, d]``."""
+    hid = resid + F.linear(_attend(q, keys, values, key_valid), o, o_bias)
+    return hid + _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
+
+
+@region
+def attend_out(q, keys, values, key_valid, o, o_bias):
+    """Attention of ``q [B, H, Q, hd]`` over the layer's cache and the o projection → ``[B, Q, d]`` (no residual:
+    a feature cache keeps this branch's output)."""
+    return F.linear(_attend(q, keys, values, key_valid), o, o_bias)
+
+
+@region
+def mlp_branch(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float):
+    """The MLP branch of ``hid [B, X, d]`` (norm, fused gate/up, SwiGLU, down), its residual not added."""
+    return _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
