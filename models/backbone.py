@@ -231,9 +231,8 @@ class DiffusionLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def new_cache(self, attention_mask: torch.Tensor, store_hidden: bool = False,
-                  separate_layers: bool = False) -> DecodeCache:
-        return DecodeCache(self.spec, attention_mask, self.dtype, store_hidden, separate_layers)
+    def new_cache(self, attention_mask: torch.Tensor, store_hidden: bool = False) -> DecodeCache:
+        return DecodeCache(self.spec, attention_mask, self.dtype, store_hidden)
 
     # -- plain forward --------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,7 +240,7 @@ class DiffusionLM(nn.Module):
         B, L = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones(B, L, dtype=torch.bool, device=input_ids.device)
-        cache = self.new_cache(attention_mask, separate_layers=torch.is_grad_enabled())
+        cache = self.new_cache(attention_mask)
         self.ensure_fused()
         out = self.run_plan(input_ids, cache, full_plan(B, L, input_ids.device))
         logits = self.head(out.hidden)

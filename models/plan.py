@@ -45,31 +45,30 @@ class DecodeCache:
     reallocated (finished sequences stay in the batch, frozen), so its buffers keep static addresses.
 
     Shapes (``T`` = sequence length, one extra *trash slot* at index ``T`` absorbs writes of unused plan slots):
-    ``k, v``: ``[n_layers, B, n_kv_heads, T + 1, head_dim]``, so ``k[l]`` is layer ``l``'s keys (stored after RoPE);
-    one tensor for every layer, so a compiled step has one input (and one guard) for all of them;
-    with ``separate_layers`` (what a full forward under autograd uses) ``k, v`` are tuples of per-layer
-    ``[B, n_kv_heads, T + 1, head_dim]`` tensors instead: a write into one layer of a stacked tensor bumps the
-    autograd version of every layer, so a backward pass would refuse the keys saved by the layers before;
-    ``hidden``: ``[n_layers, B, T + 1, d_model]``, ``hidden[l]`` the input of layer ``l`` (only when ``store_hidden``);
-    ``key_valid``: ``[B, T + 1]`` bool, False for left padding and the trash slot;
-    ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions).
+    ``k, v``: tuples of ``n_layers`` tensors ``[B, n_kv_heads, T + 1, head_dim]``, layer ``l``'s keys (stored after
+    RoPE) and values; ``hidden``: a tuple of ``n_layers`` tensors ``[B, T + 1, d_model]``, the input of each layer
+    (only when ``store_hidden``, else None); ``key_valid``: ``[B, T + 1]`` bool, False for left padding and the trash
+    slot; ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions).
+
+    One tensor per layer rather than one stacked ``[n_layers, ...]`` tensor: every layer's slice then starts at
+    offset 0 of a buffer of its own, so the kernels a compiler generates for one layer's cache writes are the same
+    code for every layer (compiled once, not once per layer at its offset), and a write into one layer never bumps
+    the autograd version of another's (a full forward under autograd saves every layer's keys).
     """
 
-    def __init__(self, spec: ModelSpec, attention_mask: torch.Tensor, dtype: torch.dtype, store_hidden: bool = False,
-                 separate_layers: bool = False):
+    def __init__(self, spec: ModelSpec, attention_mask: torch.Tensor, dtype: torch.dtype, store_hidden: bool = False):
         B, T = attention_mask.shape
         device = attention_mask.device
         self.spec = spec
         self.length = T
         L = spec.n_layers
-        kv_shape = (L, B, spec.n_kv_heads, T + 1, spec.head_dim)
-        if separate_layers:
-            self.k = tuple(torch.zeros(kv_shape[1:], dtype=dtype, device=device) for _ in range(L))
-            self.v = tuple(torch.zeros(kv_shape[1:], dtype=dtype, device=device) for _ in range(L))
-        else:
-            self.k = torch.zeros(kv_shape, dtype=dtype, device=device)
-            self.v = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.hidden = torch.zeros(L, B, T + 1, spec.d_model, dtype=dtype, device=device) if store_hidden else None
+
+        def per_layer(*shape: int) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(L))
+
+        self.k = per_layer(B, spec.n_kv_heads, T + 1, spec.head_dim)
+        self.v = per_layer(B, spec.n_kv_heads, T + 1, spec.head_dim)
+        self.hidden = per_layer(B, T + 1, spec.d_model) if store_hidden else None
         self.key_valid, self.positions = _validity_and_positions(attention_mask)
 
     def reset(self, attention_mask: torch.Tensor) -> None:
@@ -78,9 +77,8 @@ class DecodeCache:
         key_valid, positions = _validity_and_positions(attention_mask)
         self.key_valid.copy_(key_valid)
         self.positions.copy_(positions)
-        for t in (*_tensors(self.k), *_tensors(self.v), self.hidden):
-            if t is not None:
-                t.zero_()
+        for t in (*self.k, *self.v, *(self.hidden or ())):
+            t.zero_()
 
     @property
     def trash(self) -> int:
@@ -89,10 +87,6 @@ class DecodeCache:
     @property
     def batch_size(self) -> int:
         return self.key_valid.shape[0]
-
-
-def _tensors(kv: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return kv if isinstance(kv, tuple) else (kv,)
 
 
 def _validity_and_positions(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
