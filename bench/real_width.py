@@ -40,7 +40,7 @@ import polestar
 from polestar.bench.harness import si
 from polestar.models.loading import resolve_dtype
 from polestar.models.published import published_model
-from polestar.output_files import write_atomic
+from polestar.output_files import check_outside_source, write_atomic
 
 ENV_PREFIX = "POLESTAR_RW_"
 #: the narrow width of ``POLESTAR_RW_WIDTH=tiny``
@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json", help="also write the results")
     args = ap.parse_args(argv)
+    try:
+        check_outside_source([args.json_out], "--json")
+    except ValueError as err:
+        ap.error(str(err))
     settings = settings_from_env()
     results = run_cells(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(markdown_table(results))

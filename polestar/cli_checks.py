@@ -110,15 +110,28 @@ def check_positive(flag: str, value: int) -> None:
 
 
 def check_output_file(flag: str, path: str | None) -> None:
-    """An output file flag: its directory must exist (checked before the work that fills it)."""
+    """An output file flag: its directory must exist (checked before the work that fills it), outside the
+    installed package's source folders."""
     if path is None:
         return
+    check_outside_source_or_usage(flag, path)
     target = Path(path).expanduser()
     if target.is_dir():
         raise UsageError(f"{flag} {path} is a directory; name a file, e.g. {flag} {Path(path) / 'out'}")
     parent = target.parent
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: directory {parent} does not exist; create it first (mkdir -p {parent})")
+
+
+def check_outside_source_or_usage(flag: str, path: str | Path) -> None:
+    """``flag path`` must not lie inside the package's source folders (a :class:`UsageError` naming the folder
+    and the fix: a scratch folder)."""
+    from polestar.output_files import check_outside_source
+
+    try:
+        check_outside_source([path], flag)
+    except ValueError as err:
+        raise UsageError(one_line(err)) from None
 
 
 def check_plot_backend(path: str | None) -> None:

@@ -143,13 +143,15 @@ def _output_directory(output_path: str) -> Path:
 
 def check_output_path(argv: list[str]) -> None:
     """ValueError (exit 2) before lm-eval starts when ``--output_path`` cannot be written: its nearest existing
-    folder must accept a new file (a file is created and removed there)."""
-    from polestar.output_files import check_writable
+    folder must accept a new file (a file is created and removed there), and it must lie outside the package's
+    source folders."""
+    from polestar.output_files import check_outside_source, check_writable
 
     out = _values(argv, _OUTPUT)
     if out is None or not out[1]:
         return
     directory = _output_directory(out[1][0])
+    check_outside_source([directory], "--output_path")
     existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
     if not existing.is_dir():
         raise ValueError(f"--output_path {out[1][0]}: {existing} is a file, not a folder")

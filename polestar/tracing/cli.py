@@ -76,6 +76,7 @@ def run_trace_cli(args, sets: dict[str, Any], decoding: dict[str, Any]) -> int:
     cc.check_model(args.model)
     prompt, reference, label = _prompt(args)
     out = Path(args.out)
+    cc.check_outside_source_or_usage("--out", out)
     if out.exists() and not out.is_dir():
         raise cc.UsageError(f"--out {args.out} is a file; give a folder (it is created when missing)")
     if args.png:
