@@ -48,7 +48,16 @@ class OneLineParser(argparse.ArgumentParser):
     hint: str = ""
 
     def error(self, message: str):
+        rank, world_size = launcher_rank()
+        if world_size > 1 and rank != 0:  # the same usage error on every rank of a launch: rank 0 prints it
+            self.exit(2)
         self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`{self.hint}\n")
+
+
+def launcher_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process under a launcher (``torchrun`` sets ``RANK`` / ``WORLD_SIZE``),
+    ``(0, 1)`` without one."""
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def _package_version() -> str:
@@ -319,7 +328,7 @@ def cmd_trace(args) -> int:
 def cmd_inspect(args) -> int:
     from polestar.inspection import inspect_checkpoint
 
-    check_model(args.model)
+    check_model(args.model, "inspect MODEL_DIR")
     check_positive("--batch-size", args.batch_size)
     if args.length is not None:
         check_positive("--length", args.length)
@@ -446,7 +455,7 @@ def _run(args, work) -> int:
         code, line, error = 130, interrupted_line(args), err
     except Exception as err:  # an unexpected failure: still one line; --debug shows where
         code, line, error = 1, f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)", err
-    rank, world_size = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank, world_size = launcher_rank()
     if world_size > 1:
         if code == 2 and rank != 0:
             return code

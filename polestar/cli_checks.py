@@ -90,16 +90,21 @@ def check_device(device: str) -> None:
         raise UsageError(f"--device {device!r}: polestar runs on cpu or cuda; use --device cpu or --device cuda")
 
 
-def check_model(model: str) -> None:
-    """``--model``: a checkpoint directory or a shipped checkpoint name (not a file, not a missing path)."""
+def check_model(model: str, flag: str = "--model") -> None:
+    """``flag``'s checkpoint (``--model``, or ``inspect``'s positional ``MODEL_DIR``): a checkpoint directory or
+    a shipped checkpoint name (not a file, not a missing path; a hub id is answered with how to download it)."""
+    from polestar.hub_hint import hub_hint
     from polestar.models.loading import shipped_checkpoints
 
     path = Path(model).expanduser()
     if path.is_dir() or model in shipped_checkpoints():
         return
     if path.exists():
-        raise UsageError(f"--model {model} is a file; pass the checkpoint directory that holds config.json")
-    raise UsageError(f"--model {model!r} not found: pass a checkpoint directory or a shipped name "
+        raise UsageError(f"{flag} {model} is a file; pass the checkpoint directory that holds config.json")
+    hint = hub_hint(model)
+    if hint is not None:
+        raise UsageError(f"{flag} {hint}")
+    raise UsageError(f"{flag} {model!r} not found: pass a checkpoint directory or a shipped name "
                      f"({', '.join(shipped_checkpoints()) or 'none shipped'})")
 
 
