@@ -36,6 +36,7 @@ from .cli_checks import (
 )
 from .overrides import Overrides
 from .plugins import load_plugins
+from .threads import apply_thread_flag
 from .tracing.cli import add_trace_args
 
 __all__ = ["build_parser", "main", "parse_sets"]
@@ -98,6 +99,9 @@ def add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true",
                    help="compile each step with torch.compile (compile time is reported apart from TPS)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default: OMP_NUM_THREADS when set, else 1 for a model narrower "
+                        "than d_model 1024, else torch's default; see docs/cli.md)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="on an error, print the traceback too")
     add_plugin_arg(p)
@@ -226,6 +230,7 @@ def cmd_generate(args) -> int:
     if args.task:
         task = get_task_or_usage(args.task)
         prompts = [task.format_prompt(p) for p in prompts]
+    apply_thread_flag(args)
     model = _load_checked(args)
     _check_prompts_fit(model, prompts, args.gen_length, args.chat, args.system)
     size = args.batch_size

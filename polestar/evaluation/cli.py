@@ -5,7 +5,8 @@ for lm-eval's ``--model_args``), except ``--preset NAME`` (see
 :mod:`~polestar.evaluation.presets`), which is expanded first: ``preset=NAME`` is added to ``--model_args`` (block
 length, threshold and per-task generation lengths reach the model) and, when the selected tasks share one few-shot
 count in the preset and ``--num_fewshot`` is not given, ``--num_fewshot N`` is added. ``--model`` defaults to
-``polestar``. ``--plugin MODULE_OR_FILE`` (repeatable) is imported first, in every process (see
+``polestar``. ``--threads N`` sets torch's intra-op threads (default: :mod:`polestar.threads`'s rule for the
+``pretrained=`` checkpoint). ``--plugin MODULE_OR_FILE`` (repeatable) is imported first, in every process (see
 :mod:`polestar.plugins`; the model argument ``plugin=...`` does the same). The ``polestar`` model's arguments
 (unknown or malformed ones, the policy and its options, ``--device``, the checkpoint) are checked before lm-eval
 starts, so a bad one is one ``error:`` line before any of lm-eval's log lines. ``--debug`` (polestar's own) adds
@@ -236,15 +237,31 @@ def check_polestar_model(argv: list[str]) -> None:
     check_arguments(model_kwargs(argv))
 
 
+def _threads_value(values: list[str]) -> int | None:
+    """``--threads N`` (polestar's own, not lm-eval's): the last value as an integer of at least 1, None when
+    absent."""
+    if not values:
+        return None
+    try:
+        value = int(values[-1])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--threads must be an integer of at least 1, got {values[-1]!r}")
+    return value
+
+
 def run_lm_eval(argv: list[str]) -> int:
     """``polestar lm-eval``: expand the arguments, register the model, check its arguments, run lm-eval, write the
     counters."""
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     plugins, argv = _pop_option(argv, "--plugin", "mydrift.py")
+    threads, argv = _pop_option(argv, "--threads", "1")
     load_plugins(plugins)  # this process (each rank under torchrun) registers the plugin's stages first
     argv = expand_arguments(argv)
     check_output_path(argv)
+    requested = _threads_value(threads)
     try:
         from . import lm_eval_model  # noqa: F401  (registers --model polestar)
     except ImportError as err:
@@ -252,6 +269,9 @@ def run_lm_eval(argv: list[str]) -> int:
                          "pip install -e '.[eval]'") from None
     if argv[:1] not in (["ls"], ["validate"]) and not any(a in ("-h", "--help") for a in argv):
         check_polestar_model(argv)
+        from polestar.threads import apply_threads
+
+        apply_threads(requested, model_kwargs(argv).get("pretrained"))
 
     from . import distributed
 

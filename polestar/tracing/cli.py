@@ -87,7 +87,9 @@ def run_trace_cli(args, sets: dict[str, Any], decoding: dict[str, Any]) -> int:
         except ValueError as err:
             raise cc.UsageError(cc.one_line(err)) from None
     import polestar
+    from polestar.threads import apply_thread_flag
 
+    apply_thread_flag(args)
     start = time.perf_counter()
     with cc.working(f"loading model {args.model}"):
         model = polestar.load(args.model, dtype=args.dtype, device=args.device)
