@@ -62,6 +62,9 @@ def cmd_anatomy(args) -> int:
     policies = check_problem_args(args, sets, decoding)
     check_writable([args.json_out])
     from polestar.inspection import announce_model
+    from polestar.threads import apply_thread_flag
+
+    apply_thread_flag(args)
 
     announce_model(args.model, args.dtype)
     with working("anatomy"):
@@ -87,6 +90,9 @@ def add_bench(sub) -> None:
     b.add_argument("--resume", action="store_true",
                    help="reuse the finished items of an interrupted run with the same settings (kept beside --json "
                         "in OUT.items.jsonl)")
+    b.add_argument("--resume-any-timing", action="store_true",
+                   help="with --resume, reuse items timed with other threads, compile, device, dtype or batch size "
+                        "(refused otherwise); the summary and manifest then mark the timings as mixed")
     b.add_argument("--overwrite", action="store_true",
                    help="start over although OUT.items.jsonl holds finished items (the old files are kept beside "
                         "the new ones as *.old-<time>)")

@@ -154,13 +154,20 @@ def policy_label(policy: str, options: dict[str, Any]) -> str:
 
 
 def run_header(model_name: str, task_name: str, n: int, data: str | None, decoding: dict[str, Any],
-               options: dict[str, Any], batch_size: int, dtype: str, device: str) -> dict[str, Any]:
-    """The settings that decide a bench run's items (the items file's header; ``--resume`` needs them equal), with
-    the digest of every plugin's source file (:func:`polestar.plugins.plugin_sources`) when there are plugins."""
+               options: dict[str, Any], batch_size: int, dtype: str, device: str,
+               threads: int | None = None) -> dict[str, Any]:
+    """The settings that decide a bench run's items and their timings (the items file's header; ``--resume``
+    needs them equal, the timing ones unless ``--resume-any-timing``: see
+    :data:`~polestar.bench.item_log.TIMING_SETTINGS`), with the digest of every plugin's source file
+    (:func:`polestar.plugins.plugin_sources`) when there are plugins. ``threads``: torch's intra-op threads
+    (default: the number torch uses now)."""
+    import torch
+
     from polestar.plugins import plugin_sources
 
     header = {"model": model_name, "task": task_name, "n": n, "data": data, "decoding": decoding, "options": options,
-              "batch_size": batch_size, "dtype": dtype, "device": str(device)}
+              "batch_size": batch_size, "dtype": dtype, "device": str(device),
+              "threads": torch.get_num_threads() if threads is None else threads}
     sources = plugin_sources()
     if sources:
         header[PLUGINS] = sources
@@ -250,7 +257,8 @@ def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:
 def run_bench(model_name: str, task_name: str, policies: list[str], n: int, options: dict[str, Any],
               decoding: dict[str, Any], batch_size: int = 1, data: str | None = None, dtype: str | None = None,
               device: str = "cpu", show_progress: bool = True, json_out: str | None = None,
-              resume: bool = False, overwrite: bool = False, previous: Previous | None = None) -> dict:
+              resume: bool = False, overwrite: bool = False, previous: Previous | None = None,
+              resume_any_timing: bool = False) -> dict:
     """Run every policy on the same problems; returns ``{"items": [...], "summary": {policy: {...}},
     "manifest": {...}}`` (items and summaries carry each policy's ``label`` with its overrides).
 
@@ -262,6 +270,9 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     earlier run without ``resume`` are a ValueError unless ``overwrite`` (which moves the old files aside).
     ``previous``: :func:`~polestar.bench.item_log.check_previous`'s reading of those files when the caller has
     already made it with the same settings (the CLI does, to fail before loading the model), else read here.
+    ``resume_any_timing`` reuses finished items timed with other threads, compile, device, dtype or batch size;
+    the result then carries ``"timings": {"mixed": true, "differences": [...]}`` (also in the manifest), and so
+    does every policy's summary that reused such items.
     """
     check_run_args(policies, n, batch_size)
     task = get_task(task_name)
@@ -280,7 +291,9 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     rank, world_size = distributed.init_from_env(device)
     device = distributed.local_device(device)
     if json_out and previous is None:
-        previous = check_previous(json_out, header, resume, overwrite)
+        previous = check_previous(json_out, header, resume, overwrite, resume_any_timing)
+    timings = mixed_timings(previous)
+    manifest["timings"] = timings
     distributed.barrier()  # every rank has read the earlier files before rank 0 moves any aside
     log = ItemLog(json_out, header, rank, world_size) if json_out else None
     finished = previous.records if previous is not None else {}
@@ -298,11 +311,13 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     for name in policies:
         opts = optional_overrides(options)
         local = []
+        reused = False
         for start in mine:
             chunk = problems[start : start + batch_size]
             keys = [(name, start + i) for i in range(len(chunk))]
             if all(k in finished for k in keys):
                 records = [finished[k] for k in keys]
+                reused = True
             else:
                 records, _ = decode_batch(model, task, chunk, name, opts, decoding)
                 for i, rec in enumerate(records):
@@ -313,17 +328,28 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
             local += records
             if bar is not None:
                 bar.update(len(chunk))
-        records = sorted((r for part in distributed.all_gather_objects(local) for r in part), key=lambda r: r["index"])
+        gathered = distributed.all_gather_objects((local, reused))
+        records = sorted((r for part, _ in gathered for r in part), key=lambda r: r["index"])
         items += [public_item(r) for r in records]
         summary[name] = {"label": labels[name], "overrides": applied_overrides(name, options),
                          **summarize(records, polestar.assemble(name, opts).describe())}
+        if timings["mixed"] and any(part_reused for _, part_reused in gathered):
+            summary[name]["timings"] = timings
     if bar is not None:
         bar.close()
     return {
         "model": model_name, "task": task_name, "n": len(problems), "decoding": decoding, "options": options,
         "items": items, "summary": summary, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "manifest": manifest,
         "dtype": dtype_name(model.dtype),  # the dtype the weights were loaded in
+        "timings": timings,
     }
+
+
+def mixed_timings(previous: Previous | None) -> dict[str, Any]:
+    """``{"mixed": bool, "differences": [...]}``: whether the reused items were timed with other settings
+    (``--resume-any-timing``) and which (``["threads: 2 -> 1"]``)."""
+    differences = list(previous.mixed_timing) if previous is not None else []
+    return {"mixed": bool(differences), "differences": differences}
 
 
 def profile_policies(model_name, task_name, policies, n, options, decoding, batch_size=1, dtype="float32",
@@ -439,12 +465,15 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     """``polestar bench``: check the arguments and output paths, run, then (rank 0) print the table and write
     JSON / plot."""
     from polestar.cli_checks import UsageError, working
+    from polestar.threads import apply_thread_flag
 
     policies = check_problem_args(args, options, decoding)
     resume, overwrite = getattr(args, "resume", False), getattr(args, "overwrite", False)
-    if (resume or overwrite) and not args.json_out:
-        flag = "--resume" if resume else "--overwrite"
+    any_timing = getattr(args, "resume_any_timing", False)
+    if (resume or overwrite or any_timing) and not args.json_out:
+        flag = "--resume" if resume else "--overwrite" if overwrite else "--resume-any-timing"
         raise UsageError(f"{flag} needs --json OUT.json (the finished items are kept beside it)")
+    threads = apply_thread_flag(args)
     outputs = [args.json_out, args.plot]
     if args.json_out:
         outputs += [items_path(args.json_out), manifest_path(args.json_out)]
@@ -452,9 +481,9 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     previous = None
     if args.json_out:
         header = run_header(args.model, args.task, args.n, args.data, decoding, options, args.batch_size, args.dtype,
-                            args.device)
+                            args.device, threads)
         try:
-            previous = check_previous(args.json_out, header, resume, overwrite)
+            previous = check_previous(args.json_out, header, resume, overwrite, any_timing)
         except ValueError as err:
             raise UsageError(str(err)) from None
         if resume and distributed.rank() == 0:
@@ -462,6 +491,9 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
             where = ", ".join(str(p) for p in previous.paths) or "no items file yet"
             print(f"resume: reusing {len(previous.records)} finished items ({counts}) from {where}; written with "
                   f"{describe_settings(previous.header) if previous.header else 'no header'}", file=sys.stderr)
+            if previous.mixed_timing:
+                print(f"resume: timings mixed ({'; '.join(previous.mixed_timing)}): TPS and wall time blend both "
+                      "setups (--resume-any-timing)", file=sys.stderr)
         elif overwrite and previous.paths and distributed.rank() == 0:
             print(f"overwrite: the earlier files ({', '.join(str(p) for p in previous.paths)}) are kept beside the "
                   "new ones as *.old-<time>", file=sys.stderr)
@@ -473,7 +505,8 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
         with working("bench"):
             result = run_bench(args.model, args.task, policies, args.n, options, decoding, args.batch_size,
                                args.data, args.dtype, args.device, show_progress=not args.quiet,
-                               json_out=args.json_out, resume=resume, overwrite=overwrite, previous=previous)
+                               json_out=args.json_out, resume=resume, overwrite=overwrite, previous=previous,
+                               resume_any_timing=any_timing)
         rank = distributed.rank()
         distributed.barrier()  # every rank finishes before any leaves the process group
     finally:
@@ -486,6 +519,9 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     if options:
         title += " / set " + " ".join(f"{k}={_value_text(v)}" for k, v in sorted(options.items()))
     print(format_table(result["summary"], title))
+    if result["timings"]["mixed"]:
+        print("timings mixed (--resume-any-timing: reused items were timed with "
+              f"{'; '.join(result['timings']['differences'])}): TPS and wall time blend both setups")
     if args.compile:
         print("compile time (excluded from TPS): " + ", ".join(
             f"{name} {s['compile_s']:.1f}s" for name, s in result["summary"].items()))

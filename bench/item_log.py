@@ -50,12 +50,14 @@ def _read_file(path: Path) -> tuple[dict | None, list[dict]]:
 
 
 class Previous(NamedTuple):
-    """What earlier runs left beside ``--json``: the items files, their header (None when no file has one) and
-    their finished records keyed by ``(policy, problem index)``."""
+    """What earlier runs left beside ``--json``: the items files, their header (None when no file has one), their
+    finished records keyed by ``(policy, problem index)`` and, when ``--resume-any-timing`` reuses records timed
+    with other settings, those settings' differences (``["threads: 2 -> 1"]``; empty otherwise)."""
 
     paths: list[Path]
     header: dict | None
     records: dict[tuple[str, int], dict]
+    mixed_timing: tuple[str, ...] = ()
 
     def counts(self) -> dict[str, int]:
         """Finished records per policy."""
@@ -107,6 +109,38 @@ def plugin_changes(old: dict | None, new: dict | None) -> list[str]:
     return changes
 
 
+#: settings that change how fast a run decodes, not which problems it decodes: ``--resume`` over items timed with
+#: other values refuses (their TPS and wall time would blend two setups) unless ``--resume-any-timing``
+TIMING_SETTINGS = ("threads", "compile", "device", "dtype", "batch_size")
+
+
+def timing_settings(header: dict) -> dict[str, Any]:
+    """The :data:`TIMING_SETTINGS` of an items header (``compile`` is read from its ``decoding``; a setting an
+    older header lacks is None)."""
+    values = {key: header.get(key) for key in TIMING_SETTINGS}
+    values["compile"] = (header.get("decoding") or {}).get("compile")
+    return values
+
+
+def item_settings(header: dict) -> dict[str, Any]:
+    """An items header less its :data:`TIMING_SETTINGS`: the settings that decide which problems are decoded and
+    how (model, task, problems, decoding less ``compile``, options) and the plugins."""
+    out = {k: v for k, v in header.items() if k not in TIMING_SETTINGS}
+    if isinstance(out.get("decoding"), dict):
+        out["decoding"] = {k: v for k, v in out["decoding"].items() if k != "compile"}
+    return out
+
+
+def _timing_text(value: Any) -> str:
+    return "not recorded" if value is None else json.dumps(value)
+
+
+def timing_diff(old: dict | None, new: dict) -> list[str]:
+    """``["threads: 2 -> 1", ...]``: the :data:`TIMING_SETTINGS` whose values differ between two headers."""
+    a, b = timing_settings(old or {}), timing_settings(new)
+    return [f"{k}: {_timing_text(a[k])} -> {_timing_text(b[k])}" for k in TIMING_SETTINGS if a[k] != b[k]]
+
+
 def settings_diff(old: dict | None, new: dict) -> list[str]:
     """``["n: 99 -> 100", ...]``: the settings whose values differ between two headers."""
     old = old or {}
@@ -114,37 +148,52 @@ def settings_diff(old: dict | None, new: dict) -> list[str]:
             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
-def check_previous(json_out: str | Path, header: dict[str, Any], resume: bool, overwrite: bool) -> Previous:
+def check_previous(json_out: str | Path, header: dict[str, Any], resume: bool, overwrite: bool,
+                   any_timing: bool = False) -> Previous:
     """Decide, before any work, what to do with the items an earlier run left beside ``json_out``.
 
     Returns the finished records to reuse (``resume`` with equal settings; empty otherwise). Raises ValueError
     (a usage error) for ``resume`` with ``overwrite``, for ``resume`` over files written with other settings
-    (naming each setting that differs), and for finished items without ``resume`` or ``overwrite``.
+    (naming each setting that differs), for ``resume`` over items timed with other :data:`TIMING_SETTINGS`
+    (naming each, with the stored and the new value) unless ``any_timing`` (then the returned
+    :class:`Previous` lists them in ``mixed_timing`` when it reuses any record), and for finished items without
+    ``resume`` or ``overwrite``.
     """
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other: --resume continues the earlier run, "
                          "--overwrite starts over")
+    if any_timing and not resume:
+        raise ValueError("--resume-any-timing goes with --resume (it lets a resumed run reuse items timed with "
+                         "other threads, compile, device, dtype or batch size); add --resume or drop it")
     prev = read_previous(json_out)
     header = canonical(header)
-    if resume:
-        if prev.paths and prev.header != header:
-            settings = settings_diff(*({k: v for k, v in h.items() if k != PLUGINS}
-                                       for h in (prev.header or {}, header)))
-            if settings:
-                raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
-                                 f"({'; '.join(settings)}); rerun with the same settings, or pass --overwrite "
-                                 "instead of --resume to start over (the old items are kept)")
-            changes = plugin_changes((prev.header or {}).get(PLUGINS), header.get(PLUGINS))
-            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-            raise ValueError(f"--resume: {changes[0]}{more} since {prev.paths[0]} was written, so its finished items "
-                             "may come from other code; restore the plugin as it was, or pass --overwrite instead "
-                             "of --resume to start over (the old items are kept)")
+    if not resume:
+        if prev.records and not overwrite:
+            raise ValueError(f"{prev.paths[0]} holds {len(prev.records)} finished items of an earlier run; pass "
+                             "--resume to continue it, or --overwrite to start over (the old files are kept beside "
+                             "the new ones as *.old-<time>)")
+        return Previous(prev.paths, prev.header, {})
+    if not prev.paths or prev.header == header:
         return prev
-    if prev.records and not overwrite:
-        raise ValueError(f"{prev.paths[0]} holds {len(prev.records)} finished items of an earlier run; pass "
-                         "--resume to continue it, or --overwrite to start over (the old files are kept beside "
-                         "the new ones as *.old-<time>)")
-    return Previous(prev.paths, prev.header, {})
+    old = prev.header or {}
+    settings = settings_diff(*({k: v for k, v in item_settings(h).items() if k != PLUGINS} for h in (old, header)))
+    if settings:
+        raise ValueError(f"--resume: {prev.paths[0]} was written by a run with other settings "
+                         f"({'; '.join(settings)}); rerun with the same settings, or pass --overwrite "
+                         "instead of --resume to start over (the old items are kept)")
+    changes = plugin_changes(old.get(PLUGINS), header.get(PLUGINS))
+    if changes:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        raise ValueError(f"--resume: {changes[0]}{more} since {prev.paths[0]} was written, so its finished items "
+                         "may come from other code; restore the plugin as it was, or pass --overwrite instead "
+                         "of --resume to start over (the old items are kept)")
+    timing = timing_diff(old, header)
+    if timing and not any_timing:
+        raise ValueError(f"--resume: the finished items in {prev.paths[0]} were timed with other settings "
+                         f"({'; '.join(timing)}), so TPS and wall time would blend two setups; rerun with the "
+                         "stored values, or pass --resume-any-timing to reuse them anyway (the summary and "
+                         "manifest mark the timings as mixed), or --overwrite instead of --resume to start over")
+    return prev._replace(mixed_timing=tuple(timing) if prev.records else ())
 
 
 def move_aside(paths: list[Path], stamp: str | None = None) -> list[Path]:

@@ -3,10 +3,13 @@
 ``polestar bench --json OUT.json`` writes ``OUT.manifest.json`` (named from the whole output name:
 :func:`~polestar.bench.run_files.manifest_path`) before it decodes anything and copies it into ``OUT.json`` under
 ``"manifest"``: the package version, the git commit of the checkout the package runs from (when it runs from one),
-the torch and Python versions, the device, the number of torch threads, every setting of the run (model, task,
+the torch and Python versions, the device, the number of torch intra-op threads the run uses (``--threads``, else
+the default of :mod:`polestar.threads`), every setting of the run (model, task,
 problems, decoding, ``--set`` options, batch size, dtype, policies with their labels) and the sha256 digest of every
 plugin's source file (``"plugins"``: stages from outside the package; not compared by ``agree``, which compares runs
-with and without a plugin stage). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and
+with and without a plugin stage). ``polestar bench`` adds ``"timings"``: ``{"mixed": true, "differences":
+["threads: 2 -> 1"]}`` when ``--resume --resume-any-timing`` reused items timed with other settings (else
+``mixed`` false). ``polestar agree`` compares two runs' manifests (:func:`manifest_diff`) and
 refuses runs that differ in more than the one setting being compared.
 """
 
@@ -70,7 +73,8 @@ def build_manifest(settings: dict[str, Any], device: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "device": name,
         "threads": torch.get_num_threads(),
-        "settings": canonical({k: v for k, v in settings.items() if k != "plugins"}),
+        # the threads are recorded once, above, as torch uses them
+        "settings": canonical({k: v for k, v in settings.items() if k not in ("plugins", "threads")}),
         "plugins": canonical(settings.get("plugins", {})),
         "command": list(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -8,7 +8,8 @@ and the step counts match. With the commit forced, ``polestar`` differs from ``p
 own commit rule would have asked of the refresh; the row ``polestar (own commit)`` keeps Polestar's commit rule
 and so has its own step count.
 
-``python -m polestar.bench.real_width [--json OUT.json]`` runs every cell and prints a markdown table;
+``python -m polestar.bench.real_width [--json OUT.json]`` runs every cell and prints a markdown table (with a
+progress line on stderr before each model is built, before each row and after each of its generations);
 ``pytest bench/test_bench_real_width.py --benchmark-only`` runs the same cells under pytest-benchmark. The sizes
 come from environment variables (defaults in brackets):
 
@@ -40,7 +41,7 @@ import polestar
 from polestar.bench.harness import si
 from polestar.models.loading import resolve_dtype
 from polestar.models.published import published_model
-from polestar.output_files import write_atomic
+from polestar.output_files import check_outside_source, write_atomic
 
 ENV_PREFIX = "POLESTAR_RW_"
 #: the narrow width of ``POLESTAR_RW_WIDTH=tiny``
@@ -228,11 +229,22 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def measure(built: Built, ids: torch.Tensor, settings: Settings, key: str) -> dict[str, Any]:
-    """Row ``key`` after ``settings.warmup`` generations, over ``settings.rounds`` generations."""
-    for _ in range(settings.warmup):
-        run_row(built, ids, settings, key)
-    return combine([run_row(built, ids, settings, key) for _ in range(max(settings.rounds, 1))])
+def measure(built: Built, ids: torch.Tensor, settings: Settings, key: str,
+            log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Row ``key`` after ``settings.warmup`` generations, over ``settings.rounds`` generations; ``log`` gets a
+    line before the first generation and after each (a real-width round takes minutes on a CPU)."""
+    say = log or (lambda line: None)
+    name = f"{model_id(built.layers, built.dtype)} b{ids.shape[0]} {ROWS[key].label}"
+    rounds = max(settings.rounds, 1)
+    say(f"{name}: {settings.warmup} warm-up + {rounds} measured generation(s) of {settings.gen} tokens ...")
+    for i in range(settings.warmup):
+        warm = run_row(built, ids, settings, key)
+        say(f"{name}: warm-up {i + 1}/{settings.warmup} done ({warm['ms_per_step_mean']:.1f} ms/step)")
+    runs = []
+    for i in range(rounds):
+        runs.append(run_row(built, ids, settings, key))
+        say(f"{name}: round {i + 1}/{rounds} done ({runs[-1]['ms_per_step_mean']:.1f} ms/step)")
+    return combine(runs)
 
 
 #: measured quantities: (result key, table header, formatter)
@@ -308,15 +320,21 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 def run_cells(settings: Settings, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Every cell of ``settings``: each model built once, every batch and row measured, then freed; results
-    with their ratios to fast-dllm."""
+    with their ratios to fast-dllm. ``log`` gets the progress lines: before and after each build, before each
+    row's first generation, after each generation and each row's result."""
     results = []
+    say = log or (lambda line: None)
     for layers in settings.layers:
         for dtype in settings.dtypes:
+            start = time.perf_counter()
+            say(f"{model_id(layers, dtype)}: building the model ({'published' if settings.width is None else 'tiny'} "
+                f"width, {layers} layers, random weights, on {settings.device}) ...")
             built = build(settings, layers, dtype)
+            say(f"{model_id(layers, dtype)}: built in {time.perf_counter() - start:.1f}s")
             for batch in settings.batches:
                 ids = prompts(settings, batch)
                 for key in settings.rows:
-                    results.append(measure(built, ids, settings, key))
+                    results.append(measure(built, ids, settings, key, log))
                     if log is not None:
                         r = results[-1]
                         log(f"{model_id(layers, dtype)} b{batch} {r['label']}: {r['nfe']} steps, "
@@ -332,11 +350,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json", help="also write the results")
     args = ap.parse_args(argv)
-    settings = settings_from_env()
+    try:
+        check_outside_source([args.json_out], "--json")
+    except ValueError as err:
+        ap.error(str(err))
+    return run_and_report(settings_from_env(), args.json_out)
+
+
+def run_and_report(settings: Settings, json_out: str | None = None) -> int:
+    """Run the cells of ``settings`` with their progress lines on stderr, print the markdown table on stdout and
+    write the results into ``json_out`` when given."""
     results = run_cells(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(markdown_table(results))
-    if args.json_out:
-        write_atomic(args.json_out, json.dumps({"settings": attrs.asdict(settings), "results": results}, indent=1))
+    if json_out:
+        write_atomic(json_out, json.dumps({"settings": attrs.asdict(settings), "results": results}, indent=1))
     return 0
 
 

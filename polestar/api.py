@@ -29,8 +29,26 @@ def load(path: str | Path, dtype: torch.dtype | str | None = None, device: str |
     The checkpoint's tokenizer is attached as ``model.tokenizer`` (a ``transformers.PreTrainedTokenizerBase``, or
     None without tokenizer files) and its stop tokens / decoding defaults (``generation_config.json``) as
     ``model.text_defaults``.
+
+    A name that is not found and looks like a Hugging Face hub id (``GSAI-ML/LLaDA-8B-Instruct``) is a
+    FileNotFoundError saying how to download it: nothing is ever downloaded.
     """
+    _check_found(path)
     return load_model(path, dtype=dtype, device=device)
+
+
+def _check_found(path: str | Path) -> None:
+    """FileNotFoundError for a missing checkpoint, with the download command when ``path`` looks like a hub id."""
+    from polestar.hub_hint import hub_hint
+    from polestar.models.loading import resolve_checkpoint
+
+    try:
+        resolve_checkpoint(path)
+    except FileNotFoundError as err:
+        hint = hub_hint(path)
+        if hint is None:
+            raise
+        raise FileNotFoundError(hint) from err
 
 
 @attrs.frozen
@@ -215,11 +233,9 @@ def generate(
     if threshold is not None:
         options = Overrides(generic={"threshold": threshold}, optional={"threshold"}).merge(options)
     if isinstance(model, (str, Path)):  # bad options and a missing checkpoint are named before any weight loads
-        from polestar.models.loading import resolve_checkpoint
-
         if not isinstance(policy, Pipeline):
             assemble(policy, options, check_stages=False)
-        resolve_checkpoint(model)
+        _check_found(model)
         model = load(model)
     if gen_length is None or block_length is None:
         lengths = length_defaults(model)

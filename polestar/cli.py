@@ -36,6 +36,7 @@ from .cli_checks import (
 )
 from .overrides import Overrides
 from .plugins import load_plugins
+from .threads import apply_thread_flag
 from .tracing.cli import add_trace_args
 
 __all__ = ["build_parser", "main", "parse_sets"]
@@ -48,7 +49,16 @@ class OneLineParser(argparse.ArgumentParser):
     hint: str = ""
 
     def error(self, message: str):
+        rank, world_size = launcher_rank()
+        if world_size > 1 and rank != 0:  # the same usage error on every rank of a launch: rank 0 prints it
+            self.exit(2)
         self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`{self.hint}\n")
+
+
+def launcher_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process under a launcher (``torchrun`` sets ``RANK`` / ``WORLD_SIZE``),
+    ``(0, 1)`` without one."""
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def _package_version() -> str:
@@ -89,6 +99,9 @@ def add_decoding_args(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true",
                    help="compile each step with torch.compile (compile time is reported apart from TPS)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default: OMP_NUM_THREADS when set, else 1 for a model narrower "
+                        "than d_model 1024, else torch's default; see docs/cli.md)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="on an error, print the traceback too")
     add_plugin_arg(p)
@@ -217,6 +230,7 @@ def cmd_generate(args) -> int:
     if args.task:
         task = get_task_or_usage(args.task)
         prompts = [task.format_prompt(p) for p in prompts]
+    apply_thread_flag(args)
     model = _load_checked(args)
     _check_prompts_fit(model, prompts, args.gen_length, args.chat, args.system)
     size = args.batch_size
@@ -319,7 +333,7 @@ def cmd_trace(args) -> int:
 def cmd_inspect(args) -> int:
     from polestar.inspection import inspect_checkpoint
 
-    check_model(args.model)
+    check_model(args.model, "inspect MODEL_DIR")
     check_positive("--batch-size", args.batch_size)
     if args.length is not None:
         check_positive("--length", args.length)
@@ -446,7 +460,7 @@ def _run(args, work) -> int:
         code, line, error = 130, interrupted_line(args), err
     except Exception as err:  # an unexpected failure: still one line; --debug shows where
         code, line, error = 1, f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)", err
-    rank, world_size = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank, world_size = launcher_rank()
     if world_size > 1:
         if code == 2 and rank != 0:
             return code

@@ -90,16 +90,21 @@ def check_device(device: str) -> None:
         raise UsageError(f"--device {device!r}: polestar runs on cpu or cuda; use --device cpu or --device cuda")
 
 
-def check_model(model: str) -> None:
-    """``--model``: a checkpoint directory or a shipped checkpoint name (not a file, not a missing path)."""
+def check_model(model: str, flag: str = "--model") -> None:
+    """``flag``'s checkpoint (``--model``, or ``inspect``'s positional ``MODEL_DIR``): a checkpoint directory or
+    a shipped checkpoint name (not a file, not a missing path; a hub id is answered with how to download it)."""
+    from polestar.hub_hint import hub_hint
     from polestar.models.loading import shipped_checkpoints
 
     path = Path(model).expanduser()
     if path.is_dir() or model in shipped_checkpoints():
         return
     if path.exists():
-        raise UsageError(f"--model {model} is a file; pass the checkpoint directory that holds config.json")
-    raise UsageError(f"--model {model!r} not found: pass a checkpoint directory or a shipped name "
+        raise UsageError(f"{flag} {model} is a file; pass the checkpoint directory that holds config.json")
+    hint = hub_hint(model)
+    if hint is not None:
+        raise UsageError(f"{flag} {hint}")
+    raise UsageError(f"{flag} {model!r} not found: pass a checkpoint directory or a shipped name "
                      f"({', '.join(shipped_checkpoints()) or 'none shipped'})")
 
 
@@ -110,15 +115,28 @@ def check_positive(flag: str, value: int) -> None:
 
 
 def check_output_file(flag: str, path: str | None) -> None:
-    """An output file flag: its directory must exist (checked before the work that fills it)."""
+    """An output file flag: its directory must exist (checked before the work that fills it), outside the
+    installed package's source folders."""
     if path is None:
         return
+    check_outside_source_or_usage(flag, path)
     target = Path(path).expanduser()
     if target.is_dir():
         raise UsageError(f"{flag} {path} is a directory; name a file, e.g. {flag} {Path(path) / 'out'}")
     parent = target.parent
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: directory {parent} does not exist; create it first (mkdir -p {parent})")
+
+
+def check_outside_source_or_usage(flag: str, path: str | Path) -> None:
+    """``flag path`` must not lie inside the package's source folders (a :class:`UsageError` naming the folder
+    and the fix: a scratch folder)."""
+    from polestar.output_files import check_outside_source
+
+    try:
+        check_outside_source([path], flag)
+    except ValueError as err:
+        raise UsageError(one_line(err)) from None
 
 
 def check_plot_backend(path: str | None) -> None:

@@ -207,18 +207,18 @@ def _type_ok(type_name: str, value: Any) -> bool:
 def _check_option(kind: str, name: str, field: attrs.Attribute, value: Any) -> None:
     """Type and range of one option, checked on its own with the field's validator (checks across options run when
     the whole Config is built) so the error names it."""
-    problem = None
+    where = f"option {field.name!r} of {kind} stage {name!r}"
     if not _type_ok(_type_name(field), value):
-        problem = f"got {value!r} ({type(value).__name__})"
-    elif field.validator is not None:
-        try:
-            field.validator(None, field, field.converter(value) if field.converter is not None else value)
-        except (TypeError, ValueError) as err:  # attrs' own validators put a tuple in a TypeError: keep its text
-            text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
-            problem = f"got {value!r} ({' '.join(text.split())})"
-    if problem is not None:
-        raise ValueError(f"option {field.name!r} of {kind} stage {name!r} must be {describe_option(field)}; "
-                         f"{problem}")
+        raise ValueError(f"{where} must be {describe_option(field)}; got {value!r} ({type(value).__name__})")
+    if field.validator is None:
+        return
+    try:
+        field.validator(None, field, field.converter(value) if field.converter is not None else value)
+    except (TypeError, ValueError) as err:  # attrs' own validators put a tuple in a TypeError: keep its text
+        text = " ".join((err.args[0] if err.args and isinstance(err.args[0], str) else str(err)).split())
+        # the type is right, so the value itself is refused: a number out of its range, or another value
+        what = "is out of range" if isinstance(value, (int, float)) and not isinstance(value, bool) else "is refused"
+        raise ValueError(f"{where}: {value!r} {what} ({text})") from None
 
 
 def _one_line(err: BaseException) -> str:

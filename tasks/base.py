@@ -121,7 +121,7 @@ def check_input(tag: str, input: str, ok: bool, expected: str) -> None:
     if not isinstance(input, str):
         raise ValueError(f"{tag} input must be a string, got {type(input).__name__}")
     if not ok:
-        raise ValueError(f"not a {tag} input: {input!r}; expected {expected}")
+        raise ValueError(f"not an input of the {tag} task: {input!r}; expected {expected}")
     width = len(f"{tag}:{input}=")
     if width > PROMPT_WIDTH:
         raise ValueError(f"{tag} input {input!r} is too long: its prompt takes {width} characters, the task's "

@@ -28,7 +28,7 @@ _INPUT_RE = re.compile(r"\d{1,3}(?:,\d{1,3})+")
 def parse_input(input: str) -> tuple[list[int], int]:
     """Split a countdown input ``"a,b,c,target"`` into ``([a, b, c], target)``."""
     if not _INPUT_RE.fullmatch(input):
-        raise ValueError(f"not a countdown input: {input!r}")
+        raise ValueError(f"not an input of the countdown task: {input!r}")
     nums = [int(x) for x in input.split(",")]
     return nums[:-1], nums[-1]
 

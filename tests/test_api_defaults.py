@@ -39,7 +39,7 @@ def test_task_rejects_token_ids_and_bad_inputs(shipped_models):
     model = shipped_models["tiny-llada"]
     with pytest.raises(ValueError, match="task='arith' formats string prompts"):
         polestar.generate(model, [[5, 6, 7]], task="arith")
-    with pytest.raises(ValueError, match="not a arith input"):
+    with pytest.raises(ValueError, match="not an input of the arith task"):
         polestar.generate(model, ["hello"], task="arith")
     with pytest.raises(ValueError, match="unknown task"):
         polestar.generate(model, ["3+4"], task="nope")

@@ -130,7 +130,7 @@ def test_bench_reports_sequence_errors(capsys, checkpoint, first_sequence_fails,
 def test_task_input_validated(capsys, no_work):
     code, line = run(capsys, [*GEN, "--task", "copy", "--prompt", "HELLO"])
     assert code == 2 and "'HELLO'" in line and "copy" in line and "lowercase" in line
-    with pytest.raises(ValueError, match="not a copy input"):
+    with pytest.raises(ValueError, match="not an input of the copy task"):
         get_task("copy").format_prompt("HELLO")
 
 
@@ -199,7 +199,7 @@ def test_malformed_data_names_file_and_line(capsys, no_work, tmp_path):
     assert code == 2 and f"{data}:2" in line and "not valid JSON" in line
     data.write_text('{"input": "hello"}\n')
     code, line = run(capsys, [*BENCH, "--data", str(data)])
-    assert code == 2 and f"{data}:1" in line and "not a arith input" in line
+    assert code == 2 and f"{data}:1" in line and "not an input of the arith task" in line
 
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
@@ -241,6 +241,45 @@ def test_out_of_range_option_names_key_and_range(capsys, no_work):
     assert code == 2 and "'n_clusters'" in line and ">= 2" in line
     with pytest.raises(ValueError, match=r"'threshold'.*\[0, 1\]"):
         polestar.assemble("fast-dllm", {"threshold": 3})
+
+
+def test_a_number_out_of_range_is_called_out_of_range_not_a_wrong_type(capsys, no_work):
+    code, line = run(capsys, [*GEN, "--prompt", "3+4", "--set", "threshold=1.5"])
+    assert code == 2 and "'threshold'" in line and "1.5 is out of range" in line and "[0, 1]" in line
+    assert "must be a number" not in line
+    with pytest.raises(ValueError, match=r"option 'threshold' of commit stage 'threshold': 3 is out of range"):
+        polestar.assemble("fast-dllm", {"threshold": 3})
+
+
+def test_task_input_error_reads_as_english(capsys, no_work):
+    code, line = run(capsys, [*GEN, "--task", "arith", "--prompt", "x"])
+    assert code == 2 and "not an input of the arith task: 'x'" in line and "not a arith" not in line
+    with pytest.raises(ValueError, match="not an input of the countdown task"):
+        get_task("countdown").validate_input("1,2")
+
+
+def test_inspect_names_its_positional_argument(capsys):
+    code, line = run(capsys, ["inspect", "/nope"])
+    assert code == 2 and line.startswith("error: inspect MODEL_DIR '/nope' not found") and "--model" not in line
+
+
+HUB = "GSAI-ML/LLaDA-8B-Instruct"
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", HUB, "--prompt", "3+4"], ["bench", "--model", HUB, "--n", "1"], ["inspect", HUB],
+    ["trace", "--model", HUB, "--task", "arith", "--out", "t"]], ids=["generate", "bench", "inspect", "trace"])
+def test_a_hub_id_says_to_download_a_local_folder(capsys, no_work, argv):
+    code, line = run(capsys, argv)
+    assert code == 2 and "reads local Hugging Face-format folders" in line and "downloads nothing" in line
+    assert f"huggingface-cli download {HUB} --local-dir ~/models/LLaDA-8B-Instruct" in line
+
+
+def test_the_api_answers_a_hub_id_with_the_download_command():
+    with pytest.raises(FileNotFoundError, match=f"huggingface-cli download {HUB} --local-dir"):
+        polestar.load(HUB)
+    with pytest.raises(FileNotFoundError, match="not found"):  # a path that is no hub id keeps its message
+        polestar.load("/no/such/folder")
 
 
 def test_topk_above_cluster_count(capsys, no_work):

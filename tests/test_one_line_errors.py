@@ -208,7 +208,7 @@ def no_harness(monkeypatch):
     ("pretrained=tiny-llada,gen_length=-16", "error: model arguments: 'gen_length' must be > 0: -16"),
     ("pretrained=tiny-llada,policy=nope", "error: model argument policy=nope: unknown policy 'nope'"),
     ("pretrained=tiny-llada,set.threshold=3", "error: model argument policy=polestar: option 'threshold' of commit "
-                                              "stage 'polestar' must be a number"),
+                                              "stage 'polestar': 3 is out of range"),
     ("pretrained=tiny-llada,oops", "error: --model_args: expected key=value, got 'oops'"),
 ])
 def test_lm_eval_bad_model_args_are_one_line_before_lm_eval_starts(capfd, no_harness, model_args, expected):
@@ -242,6 +242,20 @@ def test_a_rank_reports_a_usage_error_once_and_a_failure_with_its_rank(checkpoin
     _set_config(checkpoint_copy, n_layers="4")
     line = one_error_line(capsys, 1, [*GEN, "--model", str(checkpoint_copy)])
     assert line.startswith("error: [rank 1] loading model") and "n_layers must be an integer" in line
+
+
+def test_a_rank_reports_a_bad_option_once(monkeypatch, capsys):
+    """argparse's own errors (an unknown option, a bad value) too: rank 0 prints the line, the others exit with the
+    same code in silence."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv in (["bench", "--bogus"], ["bench", "--n", "x"], ["generate"]):
+        monkeypatch.setenv("RANK", "1")
+        assert main(argv) == 2
+        assert capsys.readouterr().err == ""
+        monkeypatch.setenv("RANK", "0")
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: polestar"), err
 
 
 @pytest.mark.slow

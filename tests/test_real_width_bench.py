@@ -112,3 +112,20 @@ def test_one_cell_is_selectable():
                          capture_output=True, text=True, cwd=ROOT, env={"PATH": "", "OMP_NUM_THREADS": "1"})
     ids = [line.split("[", 1)[1].rstrip("]") for line in run.stdout.splitlines() if "::test_step_cost[" in line]
     assert ids == [f"L2-fp32-b1-{row}" for row in rw.ROWS], run.stdout + run.stderr
+
+
+def test_the_first_row_is_not_silent(capsys):
+    """The command's log (stderr) has a line before the model is built, before the first row's first generation
+    and after each generation: at real width the first row takes minutes on a CPU."""
+    one = rw.Settings(layers=(1,), dtypes=("float32",), batches=(1,), prompt=8, gen=16, block=8,
+                      rows=("fast-dllm",), width=rw.TINY_MODEL, rounds=2, warmup=1)
+    assert rw.run_and_report(one) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("L1-fp32: building the model (tiny width, 1 layers, random weights, on cpu) ...")
+    assert lines[1].startswith("L1-fp32: built in ")
+    assert lines[2] == "L1-fp32 b1 fast-dllm: 1 warm-up + 2 measured generation(s) of 16 tokens ..."
+    assert lines[3].startswith("L1-fp32 b1 fast-dllm: warm-up 1/1 done (")
+    assert [line.split(" done")[0] for line in lines[4:6]] == [f"L1-fp32 b1 fast-dllm: round {i}/2" for i in (1, 2)]
+    assert lines[6].startswith("L1-fp32 b1 fast-dllm: 16 steps, ")
+    assert "| fast-dllm |" in captured.out  # the table on stdout

@@ -2,12 +2,16 @@
 
 import hashlib
 import json
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
 from polestar.bench import harness
 from polestar.bench.harness import format_table, run_bench
-from polestar.bench.item_log import items_path
+from polestar.bench.item_log import check_previous, items_path
+from polestar.bench.manifest import manifest_path
 from polestar.cli import main
 from polestar.output_files import check_writable
 
@@ -116,3 +120,70 @@ def test_resume_refuses_an_edited_plugin_and_the_manifest_records_its_digest(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --resume: plugin {plugin.resolve()} changed (sha256:"), err
     assert "--overwrite" in err[0]
+
+
+# ----------------------------------------------------------------------------------------------- timing settings
+
+
+@pytest.fixture
+def threads_restored():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_resume_refuses_items_timed_with_other_threads_unless_any_timing(tmp_path, threads_restored):
+    out = tmp_path / "run.json"
+    torch.set_num_threads(2)
+    first = _run(out)
+    torch.set_num_threads(1)
+    with pytest.raises(ValueError, match=r"^--resume: the finished items in .* were timed with other settings "
+                                         r"\(threads: 2 -> 1\).*--resume-any-timing") as err:
+        _run(out, resume=True)
+    assert "\n" not in str(err.value)
+    mixed = run_bench("tiny-llada", "arith", POLICIES, 6, {}, DECODING, json_out=str(out), resume=True,
+                      resume_any_timing=True, **ARGS)
+    assert mixed["items"] == first["items"]
+    timings = {"mixed": True, "differences": ["threads: 2 -> 1"]}
+    assert mixed["timings"] == timings and mixed["manifest"]["timings"] == timings
+    assert json.loads(manifest_path(out).read_text())["timings"] == timings
+    assert all(s["timings"] == timings for s in mixed["summary"].values())
+    assert first["timings"] == {"mixed": False, "differences": []} and "timings" not in first["summary"]["parallel"]
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"threads": 3}, "threads: 1 -> 3"), ({"decoding": dict(DECODING, compile=True)}, "compile: false -> true"),
+    ({"device": "cuda"}, 'device: "cpu" -> "cuda"'), ({"dtype": "bfloat16"}, 'dtype: "float32" -> "bfloat16"'),
+    ({"batch_size": 4}, "batch_size: 2 -> 4"),
+], ids=["threads", "compile", "device", "dtype", "batch_size"])
+def test_each_timing_setting_is_named_with_both_values(tmp_path, change, named):
+    header = harness.run_header("tiny-llada", "arith", 6, None, DECODING, {}, 2, "float32", "cpu", threads=1)
+    out = tmp_path / "run.json"
+    items_path(out).write_text(json.dumps({"header": header}) + "\n"
+                               + json.dumps({"policy": "parallel", "index": 0}) + "\n")
+    new = {**header, **change}
+    with pytest.raises(ValueError, match=re.escape(f"({named})")):
+        check_previous(out, new, resume=True, overwrite=False)
+    assert check_previous(out, new, resume=True, overwrite=False, any_timing=True).mixed_timing == (named,)
+    other = {**new, "n": 7}  # a setting that decides the items is refused even with any_timing
+    with pytest.raises(ValueError, match="other settings.*n: 6 -> 7"):
+        check_previous(out, other, resume=True, overwrite=False, any_timing=True)
+    assert check_previous(out, header, resume=True, overwrite=False).mixed_timing == ()
+
+
+def test_cli_names_the_timing_setting_in_one_line(tmp_path, capsys):
+    out = str(tmp_path / "r.json")
+    base = ["bench", "--policies", "fast-dllm", "--n", "2", "--gen-length", "16", "--block-length", "8", "--quiet",
+            "--json", out]
+    assert main([*base, "--batch-size", "1"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--batch-size", "2", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(batch_size: 1 -> 2)" in err[0] and "--resume-any-timing" in err[0], err
+    assert main([*base, "--batch-size", "2", "--resume-any-timing"]) == 2
+    assert "--resume-any-timing goes with --resume" in capsys.readouterr().err
+    assert main([*base, "--batch-size", "2", "--resume", "--resume-any-timing"]) == 0
+    captured = capsys.readouterr()
+    assert "timings mixed (--resume-any-timing: reused items were timed with batch_size: 1 -> 2)" in captured.out
+    assert "resume: timings mixed (batch_size: 1 -> 2)" in captured.err
+    assert json.loads(Path(out).read_text())["timings"]["mixed"] is True

@@ -22,6 +22,7 @@ from polestar.cli import main
 from polestar.config import GenerationConfig
 from polestar.engine import decode
 from polestar.policy import assemble, policy_names
+from polestar.tasks import get_task
 from polestar.tracing.figures import first_difference, policy_figures
 from polestar.tracing.record import ORIGINS, TraceRecorder
 from tests.conftest import make_model
@@ -256,6 +257,37 @@ def test_a_plugin_stage_is_traced(tmp_path, isolated_registry):
     assert fig["stages"]["drift"] == "trace-l1"
     assert {c["origin"] for c in fig["commit"]["cells"]} <= set(ORIGINS)
     assert fig["drift"] is not None and not list(out.glob("*.png"))
+    page = (out / "trace.html").read_text()  # the drift figure names the plugin's metric
+    assert "Cluster drift per layer (polestar, drift=trace-l1)" in page
+    assert "Drift metric: drift=trace-l1: Half the L1 distance of attention rows, averaged over heads" in page
+
+
+def test_the_drift_figure_names_its_metric(tmp_path, monkeypatch):
+    """The PNG's title and colour scale and the page's heading name the drift stage and what it computes."""
+    pytest.importorskip("matplotlib")
+    from polestar.tracing import png
+    from polestar.tracing.figures import drift_metric
+    from polestar.tracing.run import trace
+
+    assert drift_metric({"drift": "kl"}) == "drift=kl: KL(cur ‖ prev) per head, averaged over heads (Polestar's drift)"
+    assert drift_metric({"drift": "js"}).startswith("drift=js: Jensen–Shannon divergence")
+    assert drift_metric({"refresh": "dual"}) == "drift"
+    texts = {}
+
+    def keep(fig, path):
+        texts[path.name] = [text for ax in fig.axes
+                            for text in (*(ax.get_title(loc) for loc in ("left", "center")), ax.get_ylabel())]
+        return path
+
+    monkeypatch.setattr(png, "_save", keep)
+    model = polestar.load("tiny-llada")
+    result = trace(model, get_task("arith").format_prompt("3+4*2-5"), ["polestar"], tmp_path, gen_length=32,
+                   block_length=16, drift="js")
+    assert result.figures[0].drift is not None
+    drift_texts = " | ".join(texts["drift-polestar.png"])
+    assert "drift=js: Jensen–Shannon divergence per head, averaged over heads" in drift_texts
+    assert "drift=js (log scale)" in drift_texts  # the colour bar's label
+    assert "Cluster drift per layer (polestar, drift=js)" in (tmp_path / "trace.html").read_text()
 
 
 #: set (to anything but 0) where the browser check must run: a missing browser then fails the test instead of

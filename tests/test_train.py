@@ -109,7 +109,7 @@ def test_sample_mask_prefix_rows_hide_a_suffix_inside_the_answer():
     assert bool(((t0 > 0) & (t0 <= 1)).all()) and plain.shape == ans.shape
 
 
-def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
+def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path, capsys):
     out = tmp_path / "tiny"
     args = build_parser().parse_args([
         "--family", "llada", "--out", str(out), "--steps", "30", "--minutes", "5", "--threads", "1",
@@ -134,8 +134,12 @@ def test_train_loss_decreases_and_checkpoint_roundtrips(tmp_path):
         assert torch.equal(model(x), loaded(x))
 
     # the stand-alone final evaluation appends to the log and rewrites the model card
+    capsys.readouterr()
     acc = evaluate_checkpoint(out, n=1)
     assert set(acc) == set(DEFAULT_MIXTURE) and all(0.0 <= v <= 1.0 for v in acc.values())
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("final evaluation: ")]
+    assert len(progress) == len(DEFAULT_MIXTURE)  # one line per batch on stderr: the evaluation is never silent
+    assert progress[0].startswith(f"final evaluation: {list(DEFAULT_MIXTURE)[0]} 1/1 · task 1/{len(DEFAULT_MIXTURE)}")
     assert "| arith |" in (out / "README.md").read_text()
 
     # fine-tuning from the checkpoint keeps its architecture, with the curriculum aids on

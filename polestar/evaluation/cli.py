@@ -5,7 +5,8 @@ for lm-eval's ``--model_args``), except ``--preset NAME`` (see
 :mod:`~polestar.evaluation.presets`), which is expanded first: ``preset=NAME`` is added to ``--model_args`` (block
 length, threshold and per-task generation lengths reach the model) and, when the selected tasks share one few-shot
 count in the preset and ``--num_fewshot`` is not given, ``--num_fewshot N`` is added. ``--model`` defaults to
-``polestar``. ``--plugin MODULE_OR_FILE`` (repeatable) is imported first, in every process (see
+``polestar``. ``--threads N`` sets torch's intra-op threads (default: :mod:`polestar.threads`'s rule for the
+``pretrained=`` checkpoint). ``--plugin MODULE_OR_FILE`` (repeatable) is imported first, in every process (see
 :mod:`polestar.plugins`; the model argument ``plugin=...`` does the same). The ``polestar`` model's arguments
 (unknown or malformed ones, the policy and its options, ``--device``, the checkpoint) are checked before lm-eval
 starts, so a bad one is one ``error:`` line before any of lm-eval's log lines. ``--debug`` (polestar's own) adds
@@ -143,13 +144,15 @@ def _output_directory(output_path: str) -> Path:
 
 def check_output_path(argv: list[str]) -> None:
     """ValueError (exit 2) before lm-eval starts when ``--output_path`` cannot be written: its nearest existing
-    folder must accept a new file (a file is created and removed there)."""
-    from polestar.output_files import check_writable
+    folder must accept a new file (a file is created and removed there), and it must lie outside the package's
+    source folders."""
+    from polestar.output_files import check_outside_source, check_writable
 
     out = _values(argv, _OUTPUT)
     if out is None or not out[1]:
         return
     directory = _output_directory(out[1][0])
+    check_outside_source([directory], "--output_path")
     existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
     if not existing.is_dir():
         raise ValueError(f"--output_path {out[1][0]}: {existing} is a file, not a folder")
@@ -234,15 +237,31 @@ def check_polestar_model(argv: list[str]) -> None:
     check_arguments(model_kwargs(argv))
 
 
+def _threads_value(values: list[str]) -> int | None:
+    """``--threads N`` (polestar's own, not lm-eval's): the last value as an integer of at least 1, None when
+    absent."""
+    if not values:
+        return None
+    try:
+        value = int(values[-1])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--threads must be an integer of at least 1, got {values[-1]!r}")
+    return value
+
+
 def run_lm_eval(argv: list[str]) -> int:
     """``polestar lm-eval``: expand the arguments, register the model, check its arguments, run lm-eval, write the
     counters."""
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     plugins, argv = _pop_option(argv, "--plugin", "mydrift.py")
+    threads, argv = _pop_option(argv, "--threads", "1")
     load_plugins(plugins)  # this process (each rank under torchrun) registers the plugin's stages first
     argv = expand_arguments(argv)
     check_output_path(argv)
+    requested = _threads_value(threads)
     try:
         from . import lm_eval_model  # noqa: F401  (registers --model polestar)
     except ImportError as err:
@@ -250,6 +269,9 @@ def run_lm_eval(argv: list[str]) -> int:
                          "pip install -e '.[eval]'") from None
     if argv[:1] not in (["ls"], ["validate"]) and not any(a in ("-h", "--help") for a in argv):
         check_polestar_model(argv)
+        from polestar.threads import apply_threads
+
+        apply_threads(requested, model_kwargs(argv).get("pretrained"))
 
     from . import distributed
 

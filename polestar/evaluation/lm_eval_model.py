@@ -216,7 +216,9 @@ def check_arguments(kwargs: dict[str, Any]) -> tuple[ModelArgs, Overrides]:
     try:
         resolve_checkpoint(args.pretrained)
     except FileNotFoundError as err:
-        raise ValueError(f"model argument pretrained={args.pretrained}: {err}") from None
+        from polestar.hub_hint import hub_hint
+
+        raise ValueError(f"model argument pretrained={args.pretrained}: {hub_hint(args.pretrained) or err}") from None
     return args, overrides
 
 

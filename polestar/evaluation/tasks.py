@@ -83,13 +83,18 @@ def write_task_dir(directory: str | Path, task: str = "arith", n: int = 16, seed
     ``choices`` answers per multiple-choice question (needs ``n >= choices``); ``max_gen_toks`` is the
     generation task's ``max_gen_toks``. The YAMLs name their data file by its absolute path, so lm-eval finds it
     from any working directory. Every argument and the folder are checked before anything is written (a
-    ValueError naming the problem). Returns ``{task name: YAML path}``.
+    ValueError naming the problem); a folder inside the installed package's source folders (``tasks/`` of a
+    checkout, which is the package ``polestar.tasks``) is refused: write to a scratch folder.
+    Returns ``{task name: YAML path}``.
     """
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     if not 2 <= choices <= n:
         raise ValueError(f"choices must be between 2 and n ({n}), got {choices}")
+    from polestar.output_files import check_outside_source, check_writable
+
     spec = get_task(task)
+    check_outside_source([directory], "the task folder")
     directory = Path(directory).expanduser().resolve()
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{directory} is a file; name a folder for the task files")
@@ -98,8 +103,6 @@ def write_task_dir(directory: str | Path, task: str = "arith", n: int = 16, seed
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"cannot create the task folder {directory}: {err.strerror or err}") from None
-    from polestar.output_files import check_writable
-
     check_writable([directory / f"polestar_{task}.jsonl"])
     rng = random.Random(f"polestar:lm-eval-choices:{task}:{seed}")
     records = []

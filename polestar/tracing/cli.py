@@ -76,6 +76,7 @@ def run_trace_cli(args, sets: dict[str, Any], decoding: dict[str, Any]) -> int:
     cc.check_model(args.model)
     prompt, reference, label = _prompt(args)
     out = Path(args.out)
+    cc.check_outside_source_or_usage("--out", out)
     if out.exists() and not out.is_dir():
         raise cc.UsageError(f"--out {args.out} is a file; give a folder (it is created when missing)")
     if args.png:
@@ -86,7 +87,9 @@ def run_trace_cli(args, sets: dict[str, Any], decoding: dict[str, Any]) -> int:
         except ValueError as err:
             raise cc.UsageError(cc.one_line(err)) from None
     import polestar
+    from polestar.threads import apply_thread_flag
 
+    apply_thread_flag(args)
     start = time.perf_counter()
     with cc.working(f"loading model {args.model}"):
         model = polestar.load(args.model, dtype=args.dtype, device=args.device)

@@ -137,6 +137,24 @@ def cost_series(steps: Sequence[StepTrace]) -> CostSeries:
                       tuple(s.proxy_rows for s in steps), tuple(s.kv_bytes for s in steps))
 
 
+def drift_metric(stages: dict[str, str]) -> str:
+    """What the cluster drifts of a policy with ``stages`` measure, for the drift figure's title and colour scale:
+    its ``drift`` stage and the first sentence of that stage's docstring, e.g. ``drift=kl: KL(cur ‖ prev) per
+    head, averaged over heads (Polestar's drift)`` (``cur``: a cluster's proxy attention at this sparse update,
+    ``prev``: at the previous one); just ``drift=NAME`` when the stage has no docstring."""
+    from polestar import registry
+
+    name = stages.get("drift")
+    if name is None:
+        return "drift"
+    try:
+        doc = registry.lookup("drift", name).__doc__ or ""
+    except (KeyError, ValueError):
+        doc = ""
+    first = " ".join(doc.split()).replace("``", "").split(". ")[0].rstrip(".")
+    return f"drift={name}: {first}" if first else f"drift={name}"
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first index where two token sequences differ (the shorter one's end when one is a prefix of the
     other), None when they are equal."""

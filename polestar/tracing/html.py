@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from .figures import CommitGrid, CostSeries, DriftSeries, RefreshGrid, TriggerSeries
+from .figures import CommitGrid, CostSeries, DriftSeries, RefreshGrid, TriggerSeries, drift_metric
 from .record import ORIGINS
 
 #: fill colour per commit origin (also used by the PNG figures)
@@ -251,10 +251,12 @@ def render_html(trace) -> str:
         parts += [refresh_svg(f.refresh, layer, trace.prompt_len) for layer in range(trace.n_layers)]
     for f in figs:
         if f.drift is not None:
-            parts.append(f"<h2>Cluster drift per layer ({escape(f.policy)})</h2>")
-            parts.append('<p class="note">Rows: clusters of the local window (re-formed at each block start); '
-                         "columns: sparse-update steps, a line where a new block starts; colour: drift (log scale); "
-                         "dot: clusters whose members were recomputed.</p>")
+            metric = drift_metric(f.stages)
+            parts.append(f"<h2>Cluster drift per layer ({escape(f.policy)}, {escape(metric.split(':')[0])})</h2>")
+            parts.append(f'<p class="note">Drift metric: {escape(metric)}, where cur is a cluster\'s proxy attention '
+                         "at this sparse update and prev at the previous one. Rows: clusters of the local window "
+                         "(re-formed at each block start); columns: sparse-update steps, a line where a new block "
+                         "starts; colour: drift (log scale); dot: clusters whose members were recomputed.</p>")
             parts += [drift_svg(f.drift, j) for j in range(len(f.drift.layers))]
         if f.trigger is not None:
             parts.append(f"<h2>Trigger layer ({escape(f.policy)})</h2>")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .figures import drift_metric
 from .html import (
     COMPUTED_COLOR,
     DIFF_COLOR,
@@ -153,8 +154,10 @@ def drift_png(trace, f, path: Path) -> Path:
         ax.set_ylabel(f"layer {layer}", fontsize=7)
     axes[-1].set_xticks(range(n), [str(s) for s in series.steps], fontsize=7)
     axes[-1].set_xlabel("sparse-update step (line: new block, new clusters; dot: recomputed)", fontsize=8)
-    axes[0].set_title(f"{f.policy}: cluster drift per layer", fontsize=9, loc="left")
-    fig.colorbar(image, ax=list(axes), label="drift (log)", shrink=0.8)
+    metric = drift_metric(f.stages)
+    axes[0].set_title(f"{f.policy}: cluster drift per layer\n{metric}\n(cur: a cluster's proxy attention at this "
+                      "sparse update, prev: at the previous one)", fontsize=8, loc="left")
+    fig.colorbar(image, ax=list(axes), label=f"{metric.split(':')[0]} (log scale)", shrink=0.8)
     return _save(fig, path)
 
 
