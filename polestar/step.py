@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import re
 import types
 import weakref
@@ -399,11 +400,12 @@ class StepRunner:
     """
 
     def __init__(self, compile: bool | str | Callable, device: torch.device, pipeline: Pipeline,
-                 static_addresses: bool | None = None):
+                 static_addresses: bool | None = None, graphs=None):
         self.device = torch.device(device)
         self.compile = bool(compile) and pipeline_compilable(pipeline)
         self.eager_steps = 0
         self.compiled_steps = 0
+        self.graphs = None if self.compile or not pipeline_compilable(pipeline) else _step_graphs(graphs, self.device)
         self._compiled = None
         self._binding = None
         self._active = False
@@ -455,6 +457,8 @@ class StepRunner:
         gen.draw()
         gen.state.phase = phase
         if self._compiled is None:
+            if self.graphs is not None and gen.state.detail is None:  # an observer's step runs eagerly
+                return self.graphs(gen)
             self.eager_steps += 1
             return decode_step(gen)
         self.compiled_steps += 1
@@ -464,6 +468,19 @@ class StepRunner:
             return self._compiled(gen)
         with self.running():
             return self._compiled(gen)
+
+
+def _step_graphs(graphs, device: torch.device):
+    """The :class:`~polestar.step_graphs.StepGraphs` an uncompiled runner replays its steps with: ``graphs`` itself
+    when given one; None (the default) on CUDA a new one unless ``POLESTAR_EAGER=1`` (truly eager steps, for
+    debugging), elsewhere none; False none."""
+    from .step_graphs import StepGraphs
+
+    if isinstance(graphs, StepGraphs):
+        return graphs
+    if graphs is None:
+        graphs = device.type == "cuda" and os.environ.get("POLESTAR_EAGER", "") != "1"
+    return StepGraphs() if graphs else None
 
 
 @contextlib.contextmanager

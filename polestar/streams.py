@@ -26,8 +26,8 @@ class SideStream:
     def run(self, *inputs: torch.Tensor):
         """Issue the enclosed work on the side stream (a no-op on CPU and inside a compiled step, where the
         graph itself orders the work)."""
-        if self.stream is None or torch.compiler.is_compiling():
-            return contextlib.nullcontext()
+        if self.stream is None or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return contextlib.nullcontext()  # a captured graph orders the work on the capturing stream
         return self._run(*inputs)
 
     @contextlib.contextmanager

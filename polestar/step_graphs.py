@@ -1,0 +1,163 @@
+"""Uncompiled steps replayed as graphs: one captured graph per step phase, no compiler involved.
+
+An uncompiled step issues a few hundred small operations per layer pass (LLaDA-8B: ~650 per step for the dual
+cache), and on a GPU each costs a kernel launch, so eagerly a step is bound by launches, not by the bytes it reads.
+Because a step is a function of the generation's persistent buffers whose Python control flow depends only on its
+:class:`~polestar.state.StepPhase` (see :mod:`polestar.step`), its operations can be recorded once per phase and
+replayed on the same buffers: what SGLang's graph runner does for its eager forward. :class:`StepGraphs` does that:
+
+* the first step of a phase runs eagerly (on CUDA this is also the warm-up a capture needs: lazy initialisation,
+  allocator pools);
+* the second step of that phase is captured (:class:`CudaGraph`: ``torch.cuda.CUDAGraph`` on the generation's
+  device; capturing runs nothing) and replayed; every later step of the phase is one replay;
+* what the step returns is the captured graph's output: the "work left" flags are a tensor the replay rewrites,
+  and the cost counters are plain ints, the same for every step of the phase.
+
+A graph belongs to one generation object (its buffers' addresses) and one phase; generations reused from the pool
+(:func:`polestar.engine.acquire_generation`) reuse their graphs. Random numbers are drawn into the generation's
+buffers before each step, outside the graph (:meth:`~polestar.step.Generation.draw`).
+
+What replaying needs from a step, beyond the compiled step's rules: the same operations on the same buffers at
+every step of a phase. :class:`ReplayTape` records a step's operations and replays them on a CPU with exactly a
+CUDA graph's semantics (recorded operations on recorded tensors, no Python), so the tests check every registered
+policy this way on any machine (``StepGraphs(graph=ReplayTape)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .step import Generation, StepOutput, decode_step, persistent_tensors
+
+
+class StepGraph(Protocol):
+    """A captured step: ``capture(fn)`` records ``fn()`` (without its effects on the buffers, as a CUDA graph
+    capture) and returns what it returned; ``replay()`` runs the recorded operations again."""
+
+    def capture(self, fn: Callable[[], StepOutput]) -> StepOutput: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """:class:`StepGraph` on CUDA: ``torch.cuda.CUDAGraph`` captured on a side stream, all graphs of a
+    :class:`StepGraphs` sharing one memory pool (a step's temporaries; its outputs are read before the next
+    replay)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], StepOutput]) -> StepOutput:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every ATen operation with its arguments and outputs (the tensors themselves, not copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tape: list[tuple[Any, tuple, dict, list[torch.Tensor]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("a step read a tensor's value on the host while being captured (.item(), bool(t), "
+                               "...): a replayed graph would keep the captured value")
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func._schema.is_mutable or not _aliases_inputs(outputs, (args, kwargs)):
+            self.tape.append((func, args, kwargs, outputs))
+        return out
+
+
+def _aliases_inputs(outputs: list[torch.Tensor], inputs) -> bool:
+    """Whether every tensor of ``outputs`` shares storage with a tensor of ``inputs``: a view, which computes nothing.
+    Decided by storage, not by the operation's schema: an operation that *may* alias (``to``, ``reshape``) returns
+    a fresh tensor when it has to convert or copy, and that result must be recomputed at replay."""
+    storages = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in storages for t in outputs)
+
+
+class ReplayTape:
+    """:class:`StepGraph` on any device, with a CUDA graph's semantics: ``capture`` records every operation of one
+    step (views excluded: they compute nothing and alias what they view; a result that shares no storage with the
+    operation's inputs is never a view) and undoes its effects on the persistent
+    buffers ``buffers``; ``replay`` calls each recorded operation again on the recorded tensors and writes each
+    result into the tensor that operation produced at capture, as a replayed kernel writes to its captured
+    address. Python code does not run at replay: a step whose Python decisions changed between two steps of one
+    phase replays the old ones, as on a GPU."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.tape: list[tuple[Any, tuple, dict, list[torch.Tensor]]] = []
+
+    def capture(self, fn: Callable[[], StepOutput]) -> StepOutput:
+        storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.buffers}.values())
+        saved = [s.clone() for s in storages]  # whole storages: a buffer may be a view, even an expanded one
+        recorder = _Recorder()
+        with recorder:
+            out = fn()
+        self.tape = recorder.tape
+        for storage, copy in zip(storages, saved):
+            storage.copy_(copy)
+        return out
+
+    def replay(self) -> None:
+        for func, args, kwargs, outputs in self.tape:
+            result = func(*args, **kwargs)
+            fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            for captured, new in zip(outputs, fresh):
+                if new is not captured:
+                    captured.copy_(new)
+
+
+class StepGraphs:
+    """Runs steps as replayed graphs (see the module docstring): ``graphs(gen, run_eagerly)`` → :class:`StepOutput`.
+
+    ``graph``: a factory ``graph(gen) -> StepGraph``; default :class:`CudaGraph` with one memory pool. ``eager``,
+    ``captured``, ``replayed``: how many steps ran eagerly (a phase's first), were captured, were replays (a capture
+    is replayed at once, so it counts in ``replayed`` too)."""
+
+    def __init__(self, graph: Callable[[Generation], StepGraph] | None = None) -> None:
+        if graph is None:
+            pool = torch.cuda.graph_pool_handle()
+            graph = lambda gen: CudaGraph(pool)  # noqa: E731
+        self._make = graph
+        self._graphs: dict[tuple[int, Any], tuple[Generation, StepGraph, StepOutput]] = {}
+        self._seen: set[tuple[int, Any]] = set()
+        self.eager = self.captured = self.replayed = 0
+
+    def __call__(self, gen: Generation) -> StepOutput:
+        key = (id(gen), gen.state.phase)
+        entry = self._graphs.get(key)
+        if entry is not None and entry[0] is gen:
+            entry[1].replay()
+            self.replayed += 1
+            return entry[2]
+        if key not in self._seen:  # a phase's first step: eagerly (the warm-up of its capture)
+            self._seen.add(key)
+            self.eager += 1
+            return decode_step(gen)
+        graph = self._make(gen)
+        out = graph.capture(lambda: decode_step(gen))
+        self._graphs[key] = (gen, graph, out)
+        self.captured += 1
+        graph.replay()
+        self.replayed += 1
+        return out
+
+
+def replay_tape(gen: Generation) -> ReplayTape:
+    """A :class:`ReplayTape` over ``gen``'s persistent buffers (the factory a CPU test gives :class:`StepGraphs`)."""
+    return ReplayTape(persistent_tensors(gen))

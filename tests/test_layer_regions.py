@@ -1,0 +1,81 @@
+"""The layer regions: each layer's model work is traced once per step graph and reused by every layer, so what a
+compiler builds does not grow with depth; compiled by inductor they compute what they compute eagerly."""
+
+import collections
+
+import pytest
+import torch
+
+import polestar
+from polestar.models.layer_regions import attend_mlp, qkv_rows
+from polestar.testing import tiny_model
+
+PROMPTS = [[5, 17, 3, 8], [9, 1, 22, 30, 4, 11]]
+POLICIES = ["fast-dllm", "polestar", "elastic-cache", "dllm-cache"]
+
+
+def _graph_shape(policy: str, layers: int) -> tuple[int, collections.Counter, collections.Counter]:
+    """Step graphs of one decode captured by dynamo (no code generated): their count, the distinct region subgraphs
+    per graph (by size) and the region calls per graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = tiny_model("llada", seed=3, n_layers=layers)
+    polestar.generate(model, PROMPTS, policy=policy, compile=backend, gen_length=16, block_length=8)
+    subgraphs = collections.Counter(sum(1 for _ in gm.named_children()) for gm in graphs)
+    calls = collections.Counter(sum(1 for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph)
+                                for gm in graphs)
+    return len(graphs), subgraphs, calls
+
+
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=[] if p == "fast-dllm" else pytest.mark.slow)
+                                    for p in POLICIES])
+def test_step_graphs_and_compiled_regions_do_not_depend_on_depth(policy):
+    n2, regions2, calls2 = _graph_shape(policy, 2)
+    n4, regions4, calls4 = _graph_shape(policy, 4)
+    assert n2 == n4  # one graph per step phase, whatever the depth
+    assert regions2 == regions4  # the regions each graph compiles: the same few at any depth
+    assert sum(calls4.elements()) > sum(calls2.elements())  # ... called once more per layer
+
+
+@pytest.mark.slow
+def test_regions_compiled_by_inductor_equal_their_eager_results():
+    # a two-layer loop of the regions around the K/V writes, as the backbone runs them; a region that returned a
+    # view of its projection had its values overwritten by inductor's generated code
+    g = torch.Generator().manual_seed(0)
+    B, T, d, H, hd, L, X = 2, 12, 32, 4, 8, 2, 5
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    weights = [dict(norm=rand(d).abs(), qkv=rand(3 * d, d, scale=0.1), o=rand(d, d, scale=0.1), mlp_norm=rand(d).abs(),
+                    gate_up=rand(4 * d, d, scale=0.1), down=rand(d, 2 * d, scale=0.1)) for _ in range(L)]
+    valid = torch.ones(B, T + 1, dtype=torch.bool)
+    valid[:, -1] = False
+    h, cos, sin = rand(B, X, d), rand(B, X, 1, hd), rand(B, X, 1, hd)
+    index = torch.arange(3, 3 + X).expand(B, X)
+
+    def layers(h, keys, values):
+        for w, k_cache, v_cache in zip(weights, keys, values):
+            qk, qkv = qkv_rows(h, w["norm"], None, w["qkv"], None, cos, sin, 1e-5, H, H)
+            slot = index[:, None, :, None].expand(-1, H, -1, hd)
+            k_cache.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
+            v_cache.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
+            h = attend_mlp(qk[:, :, :H].transpose(1, 2), h, k_cache, v_cache, valid, w["o"], None, w["mlp_norm"],
+                           None, w["gate_up"], None, w["down"], None, 1e-5)
+        return h
+
+    def caches():
+        return [torch.zeros(B, H, T + 1, hd) for _ in range(L)], [torch.zeros(B, H, T + 1, hd) for _ in range(L)]
+
+    k0, v0 = caches()
+    eager = layers(h, k0, v0)
+    k1, v1 = caches()
+    compiled = torch.compile(layers, backend="inductor", fullgraph=True)(h, k1, v1)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    for a, b in zip(k1 + v1, k0 + v0):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
