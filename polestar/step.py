@@ -60,6 +60,7 @@ from .state import (
     propose_from,
     token_log_probs,
 )
+from .step_graphs import ReplayTape, StepGraphs
 
 
 def predict(logits: torch.Tensor, masked: torch.Tensor, temperature: float, noise: torch.Tensor | None,
@@ -470,17 +471,22 @@ class StepRunner:
             return self._compiled(gen)
 
 
-def _step_graphs(graphs, device: torch.device):
+def _step_graphs(graphs, device: torch.device) -> StepGraphs | None:
     """The :class:`~polestar.step_graphs.StepGraphs` an uncompiled runner replays its steps with: ``graphs`` itself
     when given one; None (the default) on CUDA a new one unless ``POLESTAR_EAGER=1`` (truly eager steps, for
     debugging), elsewhere none; False none."""
-    from .step_graphs import StepGraphs
-
     if isinstance(graphs, StepGraphs):
         return graphs
     if graphs is None:
         graphs = device.type == "cuda" and os.environ.get("POLESTAR_EAGER", "") != "1"
-    return StepGraphs() if graphs else None
+    return StepGraphs(decode_step) if graphs else None
+
+
+def taped_step_graphs() -> StepGraphs:
+    """:class:`~polestar.step_graphs.StepGraphs` whose graphs are :class:`~polestar.step_graphs.ReplayTape` s over
+    each generation's persistent buffers: the CUDA capture path, checked on any device
+    (``StepRunner(False, device, pipeline, graphs=taped_step_graphs())``)."""
+    return StepGraphs(decode_step, graph=lambda gen: ReplayTape(persistent_tensors(gen)))
 
 
 @contextlib.contextmanager

@@ -20,26 +20,27 @@ buffers before each step, outside the graph (:meth:`~polestar.step.Generation.dr
 What replaying needs from a step, beyond the compiled step's rules: the same operations on the same buffers at
 every step of a phase. :class:`ReplayTape` records a step's operations and replays them on a CPU with exactly a
 CUDA graph's semantics (recorded operations on recorded tensors, no Python), so the tests check every registered
-policy this way on any machine (``StepGraphs(graph=ReplayTape)``).
+policy this way on any machine (:func:`polestar.step.taped_step_graphs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .step import Generation, StepOutput, decode_step, persistent_tensors
+#: what a step returns (:class:`~polestar.step.StepOutput`)
+Out = TypeVar("Out")
 
 
 class StepGraph(Protocol):
     """A captured step: ``capture(fn)`` records ``fn()`` (without its effects on the buffers, as a CUDA graph
     capture) and returns what it returned; ``replay()`` runs the recorded operations again."""
 
-    def capture(self, fn: Callable[[], StepOutput]) -> StepOutput: ...
+    def capture(self, fn: Callable[[], Out]) -> Out: ...
 
     def replay(self) -> None: ...
 
@@ -49,11 +50,15 @@ class CudaGraph:
     :class:`StepGraphs` sharing one memory pool (a step's temporaries; its outputs are read before the next
     replay)."""
 
-    def __init__(self, pool: Any) -> None:
-        self.graph = torch.cuda.CUDAGraph()
-        self.pool = pool
+    _pool: Any = None
 
-    def capture(self, fn: Callable[[], StepOutput]) -> StepOutput:
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        if CudaGraph._pool is None:
+            CudaGraph._pool = torch.cuda.graph_pool_handle()
+        self.pool = CudaGraph._pool
+
+    def capture(self, fn: Callable[[], Out]) -> Out:
         with torch.cuda.graph(self.graph, pool=self.pool):
             out = fn()
         return out
@@ -102,7 +107,7 @@ class ReplayTape:
         self.buffers = buffers
         self.tape: list[tuple[Any, tuple, dict, list[torch.Tensor]]] = []
 
-    def capture(self, fn: Callable[[], StepOutput]) -> StepOutput:
+    def capture(self, fn: Callable[[], Out]) -> Out:
         storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.buffers}.values())
         saved = [s.clone() for s in storages]  # whole storages: a buffer may be a view, even an expanded one
         recorder = _Recorder()
@@ -123,22 +128,21 @@ class ReplayTape:
 
 
 class StepGraphs:
-    """Runs steps as replayed graphs (see the module docstring): ``graphs(gen, run_eagerly)`` → :class:`StepOutput`.
+    """Runs steps as replayed graphs (see the module docstring): ``graphs(gen)`` → what ``step(gen)`` returns.
 
-    ``graph``: a factory ``graph(gen) -> StepGraph``; default :class:`CudaGraph` with one memory pool. ``eager``,
-    ``captured``, ``replayed``: how many steps ran eagerly (a phase's first), were captured, were replays (a capture
-    is replayed at once, so it counts in ``replayed`` too)."""
+    ``step``: the step function (:func:`polestar.step.decode_step`); ``graph``: a factory ``graph(gen) -> StepGraph``,
+    default a :class:`CudaGraph` (one memory pool for all). ``eager``, ``captured``, ``replayed``: how many steps ran
+    eagerly (a phase's first), were captured, were replays (a capture is replayed at once, so it counts in
+    ``replayed`` too): ``eager + replayed`` is the number of steps."""
 
-    def __init__(self, graph: Callable[[Generation], StepGraph] | None = None) -> None:
-        if graph is None:
-            pool = torch.cuda.graph_pool_handle()
-            graph = lambda gen: CudaGraph(pool)  # noqa: E731
-        self._make = graph
-        self._graphs: dict[tuple[int, Any], tuple[Generation, StepGraph, StepOutput]] = {}
+    def __init__(self, step: Callable[[Any], Any], graph: Callable[[Any], StepGraph] | None = None) -> None:
+        self._step = step
+        self._make = graph if graph is not None else (lambda gen: CudaGraph())
+        self._graphs: dict[tuple[int, Any], tuple[Any, StepGraph, Any]] = {}
         self._seen: set[tuple[int, Any]] = set()
         self.eager = self.captured = self.replayed = 0
 
-    def __call__(self, gen: Generation) -> StepOutput:
+    def __call__(self, gen):
         key = (id(gen), gen.state.phase)
         entry = self._graphs.get(key)
         if entry is not None and entry[0] is gen:
@@ -148,16 +152,11 @@ class StepGraphs:
         if key not in self._seen:  # a phase's first step: eagerly (the warm-up of its capture)
             self._seen.add(key)
             self.eager += 1
-            return decode_step(gen)
+            return self._step(gen)
         graph = self._make(gen)
-        out = graph.capture(lambda: decode_step(gen))
+        out = graph.capture(lambda: self._step(gen))
         self._graphs[key] = (gen, graph, out)
         self.captured += 1
         graph.replay()
         self.replayed += 1
         return out
-
-
-def replay_tape(gen: Generation) -> ReplayTape:
-    """A :class:`ReplayTape` over ``gen``'s persistent buffers (the factory a CPU test gives :class:`StepGraphs`)."""
-    return ReplayTape(persistent_tensors(gen))

@@ -9,8 +9,8 @@ import torch
 from polestar.config import GenerationConfig
 from polestar.engine import decode
 from polestar.policy import assemble, policy_names
-from polestar.step import StepRunner
-from polestar.step_graphs import ReplayTape, StepGraphs, replay_tape
+from polestar.step import StepRunner, taped_step_graphs
+from polestar.step_graphs import ReplayTape
 from tests.conftest import make_model
 
 PROMPTS = [[5, 7, 1, 3, 9, 2, 4], [3, 4], [8, 8, 2, 6]]
@@ -34,7 +34,7 @@ def test_replayed_steps_equal_eager_decoding(policy, family):
     ids, mask = _inputs()
     pipeline = assemble(policy)
     eager_tokens, eager_stats = decode(model, ids, mask, pipeline, CONFIG, runner=StepRunner(False, "cpu", pipeline))
-    graphs = StepGraphs(graph=replay_tape)
+    graphs = taped_step_graphs()
     runner = StepRunner(False, "cpu", pipeline, graphs=graphs)
     assert runner.graphs is graphs
     tokens, stats = decode(model, ids, mask, pipeline, CONFIG, runner=runner)
@@ -74,4 +74,6 @@ def test_a_host_read_inside_a_captured_step_is_refused():
 def test_graphs_are_off_on_a_cpu_and_with_compile_by_default():
     pipeline = assemble("fast-dllm")
     assert StepRunner(False, "cpu", pipeline).graphs is None
-    assert StepRunner("eager", "cpu", pipeline, graphs=StepGraphs(graph=replay_tape)).graphs is None
+    assert StepRunner(False, "cuda", pipeline).graphs is not None  # made without touching CUDA (captures lazily)
+    assert StepRunner(False, "cuda", pipeline, graphs=False).graphs is None
+    assert StepRunner("eager", "cpu", pipeline, graphs=taped_step_graphs()).graphs is None
