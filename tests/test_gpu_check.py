@@ -20,6 +20,7 @@ import torch
 
 from bench.gpu import check, source_tree
 from bench.gpu.check import Budget, GraphEvents, main
+from polestar.models.published import published_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK_SH = ROOT / "bench" / "gpu" / "check.sh"
@@ -174,5 +175,17 @@ def test_tiny_cpu_defaults_compile_without_codegen_in_float32():
     args = check.parse_args(["--tiny", "--device", "cpu"])
     assert (args.layers, args.compile_layers, args.compile_backend, args.dtype) == (2, 2, "eager", "float32")
     full = check.parse_args([])
-    assert (full.layers, full.compile_layers, full.compile_backend, full.dtype) == (32, 4, "inductor", "bfloat16")
+    # compiled at the published depth: a layer is one compiled region, reused by every layer
+    assert (full.layers, full.compile_layers, full.compile_backend, full.dtype) == (32, 32, "inductor", "bfloat16")
+    assert full.modes == ["eager", "graphs", "compiled"] and not full.profile
     assert full.batches == [1, 16] and full.compile_policies == ["baseline", "polestar"] and full.budget == 450
+
+
+def test_eager_rows_are_truly_eager_and_profile_lists_the_costliest_operations(capsys):
+    args = check.parse_args(["--tiny", "--device", "cpu", "--batches", "1"])
+    model = published_model("llada", 2, check.TINY_WIDTH, dtype=torch.float32, device="cpu")
+    row = check.decode_row(model, args, torch.device("cpu"), "fast-dllm", 1, "eager", 2)
+    assert row["mode"] == "eager" and row["compiled_steps"] == 0 and "POLESTAR_EAGER" not in os.environ
+    rows = check.profile_policy(model, args, torch.device("cpu"), "fast-dllm")
+    assert len(rows) == 10 and rows[0][1] >= rows[-1][1] > 0
+    assert "# profile fast-dllm b1" in capsys.readouterr().out

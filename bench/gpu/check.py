@@ -7,18 +7,24 @@ with one H100 / H200 (or A100), < 8 minutes.
    weights, sharded) and loads it with ``polestar.load`` straight onto the device: load time and peak device
    memory against the weights (bound 1.05x).
 2. One full forward per batch size against the weight-bandwidth bound (weight bytes / HBM bandwidth).
-3. Eager rows: every policy of :data:`POLICIES` at batch 1 and 16 on that model. Random weights make confidences
+3. Eager rows: every policy of :data:`POLICIES` at batch 1 and 16 on that model, truly eager (``POLESTAR_EAGER=1``),
+   and beside each on CUDA its ``graphs`` row: the same uncompiled step replayed as one captured CUDA graph per step
+   phase (:mod:`polestar.step_graphs`, the default of an uncompiled decode on CUDA). Random weights make confidences
    meaningless, so every policy commits on the same fixed schedule (``commit=topk``, two tokens per step); only the
-   refresh differs. Each row gives ms per step against the step's weight-bandwidth bound (the weight bytes the
-   step reads, as the engine counts them, over the HBM bandwidth), tokens per second and peak device memory.
+   refresh differs. Each row gives ms per step against the step's weight-bandwidth bound (the weight bytes the step
+   reads, as the engine counts them, over the HBM bandwidth), tokens per second and peak device memory.
 4. Compiled rows: the ``--compile-policies`` (default ``baseline`` and ``polestar``), eager and compiled side by
-   side, on a model of the same width with ``--compile-layers`` layers (default 4, built in memory on the device),
-   so that the compiles fit the time budget: a step's graph holds every layer, and tracing grows with them. Each
-   compiled row counts, during its timed run, the real CUDA-graph replays (calls of
-   ``torch.cuda.CUDAGraph.replay``, through which cudagraph trees replay a recorded graph) and graph recordings
-   (``CUDAGraph.capture_begin``), and over its warm-up and run Inductor's cudagraph skips
-   (``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``) with the reasons Inductor gave.
+   side, on a model of the same width with ``--compile-layers`` layers (default: the checkpoint's depth; a smaller
+   one is built in memory on the device). Each layer's model work is one compiled region reused by every layer, so
+   the compile is measured at the published depth. Each compiled row counts, during its timed run, the real
+   CUDA-graph replays (calls of ``torch.cuda.CUDAGraph.replay``, through which cudagraph trees replay a recorded
+   graph) and graph recordings (``CUDAGraph.capture_begin``), and over its warm-up and run Inductor's cudagraph
+   skips (``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``) with the reasons Inductor gave.
 5. ``quant='fp8'`` compiled: one ``polestar`` row where the device allows it, else the refusal, in one line.
+
+``--profile``: after step 3, the ten most expensive operations of one decode per policy (``torch.profiler``, by
+self device time on CUDA, self CPU time elsewhere).
+
 6. Triton kernels against their torch references at the shapes one step launches them with: milliseconds and the
    largest difference (optional: skipped, with the reason and what to install, when triton is missing, or off
    CUDA without ``TRITON_INTERPRET=1``).
@@ -67,6 +73,8 @@ LOAD_BOUND = 1.05
 #: --tiny: a narrow LLaDA (the published config with these keys replaced)
 TINY_WIDTH = {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 128}
 POLICIES = ("baseline", "fast-dllm", "elastic-cache", "polestar")
+#: how a row runs its steps: truly eager, uncompiled and replayed as CUDA graphs, or compiled
+MODES = ("eager", "graphs", "compiled")
 #: compiled by default (step 4): the plainest step and the project's own
 COMPILE_POLICIES = ("baseline", "polestar")
 #: seconds a compiled row is expected to take at most (its compiles included): no compiled row starts later than
@@ -92,11 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256, --tiny 8)")
     ap.add_argument("--gen", type=int, default=None, help="generated tokens (default 128, --tiny 16)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16; --tiny 1,2)")
-    ap.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
+    ap.add_argument("--modes", default="eager,graphs,compiled",
+                    help="any of eager, graphs (uncompiled steps replayed as CUDA graphs; CUDA only), compiled")
+    ap.add_argument("--profile", action="store_true",
+                    help="after step 3, the ten most expensive operations of one decode per policy")
     ap.add_argument("--policies", default=",".join(POLICIES), help="eager rows of step 3 (comma-separated)")
     ap.add_argument("--compile-policies", default=",".join(COMPILE_POLICIES), help="policies of step 4")
     ap.add_argument("--compile-layers", type=int, default=None,
-                    help="depth of step 4's model (default 4, at most --layers)")
+                    help="depth of step 4's model (default and at most --layers)")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend of step 4 (default inductor; --tiny on a CPU: eager)")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
@@ -116,14 +127,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",")]
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     args.compile_policies = [p.strip() for p in args.compile_policies.split(",") if p.strip()]
-    args.compile_layers = min(args.compile_layers or 4, args.layers)
+    args.compile_layers = min(args.compile_layers or args.layers, args.layers)
     if args.dtype is None:
         args.dtype = "float32" if args.tiny and torch.device(args.device).type == "cpu" else "bfloat16"
     if args.compile_backend is None:
         args.compile_backend = "eager" if args.tiny and torch.device(args.device).type == "cpu" else "inductor"
-    bad = [m for m in args.modes if m not in ("eager", "compiled")]
+    bad = [m for m in args.modes if m not in MODES]
     if bad:
-        ap.error(f"--modes takes eager and/or compiled, got {bad}")
+        ap.error(f"--modes takes any of {', '.join(MODES)}, got {bad}")
     unknown = sorted(set(args.policies + args.compile_policies) - set(polestar.policy_names()))
     if unknown:
         ap.error(f"unknown policies {unknown}; known: {', '.join(polestar.policy_names())}")
@@ -259,22 +270,40 @@ def time_forward(model, ids: torch.Tensor, reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def decode_row(model, args, device: torch.device, policy: str, batch: int, compiled: bool, layers: int,
+def decode_row(model, args, device: torch.device, policy: str, batch: int, mode: str, layers: int,
                **options) -> dict:
     """One warm-up decode (it compiles when ``compiled``; two on CUDA, as cudagraph trees record a graph on its
     second call) and one timed decode of ``policy`` at ``batch``; the row of figures (see :data:`HEADER`), printed.
     Compiled rows count CUDA-graph events (:class:`GraphEvents`): a timed run that records a graph or replays fewer
-    graphs than it ran compiled steps is reported."""
+    graphs than it ran compiled steps is reported. ``mode``: one of :data:`MODES` (an ``eager`` row sets
+    ``POLESTAR_EAGER=1`` for its decodes)."""
+    compiled = mode == "compiled"
     prompts = torch.randint(0, 126000, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
     kw = dict(policy=policy, gen_length=args.gen, block_length=min(32, args.gen), steps=args.gen // 2,
               commit="topk", stop_at_eos=False, compile=(True if args.compile_backend == "inductor"
                                                            else args.compile_backend) if compiled else False,
               **options)
+    eager_env = os.environ.pop("POLESTAR_EAGER", None)
+    if mode == "eager":
+        os.environ["POLESTAR_EAGER"] = "1"
+    try:
+        return _decode_row(model, args, device, policy, batch, mode, layers, prompts, kw, options)
+    finally:
+        os.environ.pop("POLESTAR_EAGER", None)
+        if eager_env is not None:
+            os.environ["POLESTAR_EAGER"] = eager_env
+
+
+def _decode_row(model, args, device, policy, batch, mode, layers, prompts, kw, options) -> dict:
+    """:func:`decode_row`'s decodes and row, with its environment set."""
+    compiled = mode == "compiled"
+    graphs = compiled or mode == "graphs"
     with GraphEvents() as warm:
         first = polestar.generate(model, prompts, **kw)
-        if compiled and device.type == "cuda":
-            # cudagraph trees run a graph's first call without recording it and record it on the second: a graph
-            # called once per generation is recorded during the second generation
+        if graphs and device.type == "cuda":
+            # cudagraph trees run a graph's first call without recording it and record it on the second (and an
+            # uncompiled phase is captured at its second step): a graph called once per generation is recorded
+            # during the second generation
             polestar.generate(model, prompts, **kw)
     reset_peak(device)
     with GraphEvents() as timed:
@@ -285,13 +314,13 @@ def decode_row(model, args, device: torch.device, policy: str, batch: int, compi
     ms = 1e3 * s.wall_s / s.nfe
     cuda = device.type == "cuda"
     label = policy + ("+fp8" if options.get("quant") == "fp8" else "")
-    row = {"policy": label, "batch": batch, "layers": layers, "mode": "compiled" if compiled else "eager",
+    row = {"policy": label, "batch": batch, "layers": layers, "mode": mode,
            "ms_per_step": ms, "bound_ms": bound_ms, "x_bound": ms / bound_ms if bound_ms else None,
            "tps": batch * args.gen / s.wall_s, "nfe": s.nfe, "compiled_steps": s.compiled_steps,
            "compile_s": first.stats.compile_s, "peak_gb": peak_memory(device) / 1e9,
-           "graph_replays": timed.replays if compiled and cuda else None,
-           "graph_recordings": timed.recordings if compiled and cuda else None,
-           "cudagraph_skips": warm.skips + timed.skips if compiled and cuda else None,
+           "graph_replays": timed.replays if graphs and cuda else None,
+           "graph_recordings": timed.recordings if graphs and cuda else None,
+           "cudagraph_skips": warm.skips + timed.skips if graphs and cuda else None,
            "skip_reasons": list(dict.fromkeys(warm.reasons + timed.reasons))}
 
     def show(v, fmt):
@@ -301,14 +330,37 @@ def decode_row(model, args, device: torch.device, policy: str, batch: int, compi
           f"{show(row['x_bound'], '7.2f')} {row['tps']:8.1f} {s.nfe:4d} {s.compiled_steps:8d} "
           f"{show(row['graph_replays'], '7d')} {show(row['graph_recordings'], '8d')} "
           f"{show(row['cudagraph_skips'], '5d')} {row['peak_gb']:7.2f}", flush=True)
-    if compiled and cuda:
-        verdict = ("every compiled step replayed a CUDA graph" if timed.replays >= s.compiled_steps > 0
+    if graphs and cuda:
+        steps = s.compiled_steps if compiled else s.nfe
+        verdict = (f"every {mode} step replayed a CUDA graph" if timed.replays >= steps > 0
                    and not row["cudagraph_skips"] and not timed.recordings
-                   else f"{timed.replays} graph replays for {s.compiled_steps} compiled steps")
+                   else f"{timed.replays} graph replays for {steps} {mode} steps")
         print(f"#   {label} b{batch}: compiled in {first.stats.compile_s:.1f} s; {verdict}", flush=True)
         for reason in row["skip_reasons"][:3]:
             print(f"#   cudagraph skip: {reason.splitlines()[0][:160]}", flush=True)
     return row
+
+
+def profile_policy(model, args, device: torch.device, policy: str, top: int = 10) -> list[tuple[str, float]]:
+    """The ``top`` operations of one eager decode of ``policy`` at the first batch size by self time (device time on
+    CUDA, CPU time elsewhere; ``torch.profiler``), printed as ``# profile`` lines; → ``(name, ms)`` pairs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = args.batches[0]
+    prompts = torch.randint(0, 126000, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+    kw = dict(policy=policy, gen_length=args.gen, block_length=min(32, args.gen), steps=args.gen // 2,
+              commit="topk", stop_at_eos=False)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        out = polestar.generate(model, prompts, **kw)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    rows = [(e.key, getattr(e, key) / 1e3 / out.stats.nfe) for e in events]
+    print(f"# profile {policy} b{batch} ({'device' if cuda else 'CPU'} ms per step, self time):", flush=True)
+    for name, ms in rows:
+        print(f"#   {ms:9.3f}  {name[:90]}", flush=True)
+    return rows
 
 
 def kernel_rows(args, device: torch.device) -> list[dict]:
@@ -454,10 +506,17 @@ def main(argv: list[str] | None = None) -> int:
                 write_atomic(args.json_out, json.dumps(result, indent=1))
         if "eager" in args.modes:
             print(f"\n# step 3: eager, {args.layers} layers (bound: the step's weight bytes / HBM bandwidth)\n{HEADER}")
+            row_modes = ["eager"] + (["graphs"] if "graphs" in args.modes and device.type == "cuda" else [])
+            if "graphs" in args.modes and device.type != "cuda":
+                print("# graphs rows (uncompiled steps replayed as CUDA graphs) run on CUDA only")
             for batch in args.batches:
                 for policy in args.policies:
-                    if budget.allows(f"{policy} eager b{batch}"):
-                        keep(decode_row(model, args, device, policy, batch, False, args.layers))
+                    for mode in row_modes:
+                        if budget.allows(f"{policy} {mode} b{batch}"):
+                            keep(decode_row(model, args, device, policy, batch, mode, args.layers))
+            if args.profile:
+                for policy in args.policies:
+                    profile_policy(model, args, device, policy)
         small = model
         if "compiled" in args.modes and args.compile_policies:
             if args.compile_layers != args.layers:
@@ -471,13 +530,14 @@ def main(argv: list[str] | None = None) -> int:
                     for compiled in (False, True):
                         what = f"{policy} {'compiled' if compiled else 'eager'} b{batch} ({args.compile_layers} layers)"
                         if budget.allows(what, COMPILE_RESERVE if compiled else 0.0):
-                            keep(decode_row(small, args, device, policy, batch, compiled, args.compile_layers))
+                            keep(decode_row(small, args, device, policy, batch,
+                                            "compiled" if compiled else "eager", args.compile_layers))
         if "compiled" in args.modes and args.fp8:
             if fp8_blocker is not None:
                 print(f"\n# step 5: quant='fp8' compiled: refused: {fp8_blocker}")
             elif budget.allows("polestar+fp8 compiled", COMPILE_RESERVE):
                 print(f"\n# step 5: quant='fp8' compiled at {args.compile_layers} layers\n{HEADER}")
-                keep(decode_row(small, args, device, "polestar", args.batches[0], True, args.compile_layers,
+                keep(decode_row(small, args, device, "polestar", args.batches[0], "compiled", args.compile_layers,
                                 quant="fp8"))
         if blocker is None:
             print("\n# step 6: Triton kernels against torch at one step's shapes (ms)")
