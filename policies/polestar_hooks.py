@@ -192,11 +192,11 @@ class PolestarBuildHook(LayerHook):
         for i in range(hw.shape[0]):
             with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
                 buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
-        layers = slice(first, first + hw.shape[0])
-        buf.centroids[layers].copy_(centroids)
-        buf.labels[layers].copy_(labels)
-        buf.counts[layers].copy_(counts)
-        buf.centroid_pos[layers].copy_(centroid_pos)
+        for i in range(hw.shape[0]):  # one buffer per layer (see WindowBuffers)
+            buf.centroids[first + i].copy_(centroids[i])
+            buf.labels[first + i].copy_(labels[i])
+            buf.counts[first + i].copy_(counts[i])
+            buf.centroid_pos[first + i].copy_(centroid_pos[i])
         return centroids, centroid_pos
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
@@ -268,12 +268,12 @@ class PolestarMembers(MemberStrategy):
         """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""
         buf = self.buffers
         labels = buf.labels[layer].gather(1, packet.rows.clamp(max=self.trash - 1))
-        k_clusters = buf.centroids.shape[2]
+        k_clusters = buf.centroids[layer].shape[1]
         keep = (packet.valid & (labels >= 0))[..., None].to(old.dtype)
         onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype) * keep
         delta = torch.einsum("bmk,bmd->bkd", onehot, packet.out.to(old.dtype) - old)
         counts = buf.counts[layer].clamp_min(1)[..., None].to(old.dtype)
-        buf.centroids[layer].add_((delta / counts).to(buf.centroids.dtype))
+        buf.centroids[layer].add_((delta / counts).to(buf.centroids[layer].dtype))
 
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
                    meter) -> ExtraRows | None:

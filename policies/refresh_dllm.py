@@ -42,11 +42,11 @@ from .refresh_basic import block_start_plan
 @attrs.define
 class FeatureState:
     """Per-generation state of :class:`DLLMCacheRefresh`: each layer's cached attention output (after o) and MLP
-    output per position, ``attn, mlp [L, B, T, d_model]`` (allocated at the first generation of a shape, rewritten
-    in place)."""
+    output per position, ``attn, mlp``: tuples of ``L`` tensors ``[B, T, d_model]`` (one buffer per layer, as the
+    cache's K/V; allocated at the first generation of a shape, rewritten in place)."""
 
-    attn: torch.Tensor | None = None
-    mlp: torch.Tensor | None = None
+    attn: tuple[torch.Tensor, ...] | None = None
+    mlp: tuple[torch.Tensor, ...] | None = None
 
 
 @register("refresh", "dllm-cache")
@@ -72,13 +72,13 @@ class DLLMCacheRefresh(RefreshSelector):
         return FeatureState()
 
     def begin_generation(self, local: FeatureState, state: DecodeState, cache: DecodeCache, model) -> None:
-        shape = (state.n_layers, state.batch_size, state.length, model.spec.d_model)
-        if local.attn is None or tuple(local.attn.shape) != shape:
-            local.attn = torch.zeros(shape, dtype=model.dtype, device=state.x.device)
-            local.mlp = torch.zeros(shape, dtype=model.dtype, device=state.x.device)
+        shape = (state.batch_size, state.length, model.spec.d_model)
+        if local.attn is None or len(local.attn) != state.n_layers or tuple(local.attn[0].shape) != shape:
+            local.attn, local.mlp = (tuple(torch.zeros(shape, dtype=model.dtype, device=state.x.device)
+                                           for _ in range(state.n_layers)) for _ in range(2))
         else:
-            local.attn.zero_()
-            local.mlp.zero_()
+            for t in (*local.attn, *local.mlp):
+                t.zero_()
 
     def phase(self, position: StepPosition, state: DecodeState, local=None) -> tuple[bool, bool]:
         m = position.global_step  # forward n = global_step + 1 of the generation

@@ -97,10 +97,11 @@ class ElasticCacheRefresh(RefreshSelector):
 
     def begin_generation(self, local: ElasticState, state: DecodeState, cache: DecodeCache, model) -> None:
         spec = model.spec
-        if local.q is None:  # allocated once per shape (the model's head width is known here)
-            local.q = torch.zeros(spec.n_layers, state.batch_size, spec.n_heads, state.length + 1, spec.head_dim,
-                                  dtype=cache.k[0].dtype, device=state.x.device)
-        local.q.zero_()
+        if local.q is None:  # allocated once per shape (the model's head width is known here), one per layer
+            local.q = tuple(torch.zeros(state.batch_size, spec.n_heads, state.length + 1, spec.head_dim,
+                                        dtype=cache.k[0].dtype, device=state.x.device) for _ in range(spec.n_layers))
+        for q in local.q:
+            q.zero_()
         local.track.zero_()
         local.fired.fill_(state.n_layers)
         local.deferred.zero_()
@@ -279,15 +280,16 @@ def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor,
 
 @attrs.define
 class ElasticState:
-    """Per-generation state of :class:`ElasticCacheRefresh` (preallocated, written in place): ``q [L, B, H, T + 1,
-    hd]`` every position's last query (after RoPE) per layer; ``track [L, B, track_num]`` each layer's tracked
-    tokens; ``fired [B]`` the layer of the row's first trigger in the current forward (``L``: none); ``deferred
-    [B]`` rows whose forward continues at the next step; ``seen [B, T]`` the masked positions at the row's last
-    forward (its commits since are the next query rows); ``member [B, T]`` the last ``cached`` step's query rows;
-    ``fired0 [B]`` and ``sim0 [B]``: the next forward's layer-0 trigger and similarity, decided at the end of the
-    previous step (:meth:`ElasticCacheRefresh.look_ahead`); ``fired`` is ``-1`` in a row recomputed from layer 1."""
+    """Per-generation state of :class:`ElasticCacheRefresh` (preallocated, written in place): ``q``: per layer (a tuple
+    of ``L`` buffers, as the cache's K/V) ``[B, H, T + 1, hd]`` every position's last query (after RoPE); ``track
+    [L, B, track_num]`` each layer's tracked tokens; ``fired [B]`` the layer of the row's first trigger in the
+    current forward (``L``: none); ``deferred [B]`` rows whose forward continues at the next step; ``seen [B, T]``
+    the masked positions at the row's last forward (its commits since are the next query rows); ``member [B, T]``
+    the last ``cached`` step's query rows; ``fired0 [B]`` and ``sim0 [B]``: the next forward's layer-0 trigger and
+    similarity, decided at the end of the previous step (:meth:`ElasticCacheRefresh.look_ahead`); ``fired`` is
+    ``-1`` in a row recomputed from layer 1."""
 
-    q: torch.Tensor | None
+    q: tuple[torch.Tensor, ...] | None
     track: torch.Tensor
     fired: torch.Tensor
     deferred: torch.Tensor
@@ -325,7 +327,8 @@ class _TrackPass(LayerHook):
         local, cache, state = self.local, self.cache, self.state
         B, H, _, hd = qkv.q.shape
         C = qkv.n_plan
-        local.q[layer].scatter_(2, qkv.index[:, None, :, None].expand(-1, H, -1, hd), qkv.q[:, :, :C].to(local.q.dtype))
+        q_layer = local.q[layer]
+        q_layer.scatter_(2, qkv.index[:, None, :, None].expand(-1, H, -1, hd), qkv.q[:, :, :C].to(q_layer.dtype))
         self.check(layer, qkv)
         slots = self.window_slots(layer)
         q_win = qkv.q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd))

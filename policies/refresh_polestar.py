@@ -260,20 +260,21 @@ class WindowBuffers:
     """The buffers of one window size (``Nw = n_pre + n_post`` columns), allocated once and reused by every block and
     generation with that window: the stores of the window's layer inputs and queries (:class:`RowStore`
     ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer), the k-means seeds ``keys [L, P, n]`` (one key row per layer
-    and window part, shared by the batch; None for a clusterer without keys), and per layer (stacked on dim 0) the
-    block start's clusters: ``centroids [L, B, K, d]``, ``labels [L, B, Nw]`` (-1 invalid), ``counts [L, B, K]``,
-    ``centroid_pos [L, B, K]`` and the last update's proxy distributions ``prev [L, B, H, K, T+1]``. ``parts``: the
-    window parts' ``(lo, hi, k)`` (:func:`window_parts`)."""
+    and window part, shared by the batch; None for a clusterer without keys), and per layer (a tuple of ``L`` tensors
+    each, as the cache's K/V: a layer's writes then compile to the same kernels at every layer) the block start's
+    clusters: ``centroids [B, K, d]``, ``labels [B, Nw]`` (-1 invalid), ``counts [B, K]``, ``centroid_pos [B, K]`` and
+    the last update's proxy distributions ``prev [B, H, K, T+1]``. ``parts``: the window parts' ``(lo, hi, k)``
+    (:func:`window_parts`)."""
 
     parts: tuple
     store: RowStore
     qstore: RowStore
     keys: torch.Tensor | None
-    centroids: torch.Tensor
-    labels: torch.Tensor
-    counts: torch.Tensor
-    centroid_pos: torch.Tensor
-    prev: torch.Tensor
+    centroids: tuple[torch.Tensor, ...]
+    labels: tuple[torch.Tensor, ...]
+    counts: tuple[torch.Tensor, ...]
+    centroid_pos: tuple[torch.Tensor, ...]
+    prev: tuple[torch.Tensor, ...]
 
     @classmethod
     def allocate(cls, sel: PolestarRefresh, state: DecodeState, model, n_pre: int, n_post: int) -> WindowBuffers:
@@ -286,12 +287,12 @@ class WindowBuffers:
         keys = torch.zeros(L, len(parts), n_max, device=device) if sel.clusterer.needs_keys else None
 
         def zeros(*shape, dt=dtype):
-            return torch.zeros(*shape, dtype=dt, device=device)
+            return tuple(torch.zeros(*shape, dtype=dt, device=device) for _ in range(L))
 
         return cls(parts, RowStore(*args, spec.d_model, device, dtype),
                    RowStore(*args, spec.n_heads * spec.head_dim, device, dtype), keys,
-                   zeros(L, B, K, spec.d_model), zeros(L, B, n, dt=torch.long), zeros(L, B, K, dt=torch.long),
-                   zeros(L, B, K, dt=torch.long), zeros(L, B, spec.n_heads, K, state.length + 1, dt=torch.float32))
+                   zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long), zeros(B, K, dt=torch.long),
+                   zeros(B, K, dt=torch.long), zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32))
 
 
 @attrs.define
