@@ -179,19 +179,16 @@ class DiffusionLM(nn.Module):
         else:  # a norm, o or down parameter replaced by hand is a new object: list the current ones
             self._weights = [self._layer_weights(layer) for layer in layers]
 
-    def _layer_weights(self, layer: int) -> LayerWeights:
-        p, f = self.layer_parts(layer), self._fused[layer]
+    def _layer_weights(self, layer: int, fused: FusedProjections | None = None) -> LayerWeights:
+        p, f = self.layer_parts(layer), self._fused[layer] if fused is None else fused
         return LayerWeights(p.attn_norm.weight, p.attn_norm.bias, f.qkv, f.qkv_bias, p.o.weight, p.o.bias,
                             p.mlp_norm.weight, p.mlp_norm.bias, f.gate_up, f.gate_up_bias, p.down.weight, p.down.bias)
 
     def layer_weights(self, layer: int) -> LayerWeights:
         """Layer ``layer``'s tensors as the layer regions take them (:mod:`polestar.models.layer_regions`), with its
         :meth:`projections`."""
-        if torch.is_grad_enabled() and self.layer_parts(layer).q.weight.requires_grad:
-            f = self.projections(layer)
-            return self._layer_weights(layer)._replace(qkv=f.qkv, qkv_bias=f.qkv_bias, gate_up=f.gate_up,
-                                                       gate_up_bias=f.gate_up_bias)
-        return self._weights[layer]
+        fused = self.projections(layer)
+        return self._weights[layer] if fused is self._fused[layer] else self._layer_weights(layer, fused)
 
     def projections(self, layer: int) -> FusedProjections:
         """Layer ``layer``'s :class:`FusedProjections`. Under autograd with trainable weights they are concatenated
