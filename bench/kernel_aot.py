@@ -165,10 +165,13 @@ def shadow_kernels(results: str = "reference") -> Iterator[list[Launch]]:
                 swap(space, name, resolve)
             elif id(value) in swaps:
                 swap(space, name, swaps[id(value)])
-            elif isinstance(value, dict):  # dispatch tables {"reference": fn, "triton": fn}
+            elif isinstance(value, dict):  # dispatch tables {"reference": fn, "triton": fn, "fused": op}
+                wrapper = swaps.get(id(value.get("triton")))
                 for key, fn in list(value.items()):
                     if id(fn) in swaps:
                         swap(value, key, swaps[id(fn)])
+                    elif key == "fused" and wrapper is not None:  # what "auto" calls: shadowed too
+                        swap(value, key, wrapper)
     try:
         yield launches
     finally:

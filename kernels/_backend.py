@@ -49,7 +49,11 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
 
 
 def pick(impls: Mapping[str, F], backend: str, *tensors: torch.Tensor) -> F:
-    """Return ``impls[resolve_backend(backend, *tensors)]`` (see :func:`resolve_backend`)."""
+    """Return ``impls[resolve_backend(backend, *tensors)]`` (see :func:`resolve_backend`); ``"auto"`` gives
+    ``impls["fused"]`` where the op has one (:func:`polestar.kernels._library.fused_op`: Triton on CUDA, the
+    reference elsewhere, one opaque operation either way)."""
+    if backend == "auto" and "fused" in impls:
+        return impls["fused"]
     return impls[resolve_backend(backend, *tensors)]
 
 

@@ -64,3 +64,32 @@ def register_op(name: str, fake: Callable[..., Any]) -> Callable[[F], F]:
         return fn
 
     return deco
+
+
+#: namespace of the ops a decoding step calls (see :func:`fused_op`)
+FUSED_NAMESPACE = "polestar_fused"
+
+
+def fused_op(name: str, fake: Callable[..., Any], cuda: Callable[..., Any] | None = None) -> Callable[[F], Any]:
+    """Decorator: register the torch reference ``fn`` as ``torch.ops.polestar_fused.<name>``, one opaque operation
+    on every device, and return that op.
+
+    What a decoding step calls through ``backend="auto"``: on a CUDA device with Triton the op runs ``cuda`` (the
+    Triton kernel's launch, one kernel), elsewhere the reference ``fn``. So the step is one graph node per fused
+    operation wherever it runs (``torch.compile`` traces the op, not the reference's body) and an operation count
+    taken on a CPU is the count of launches a GPU sees. ``fn`` and ``fake`` as for :func:`register_op`; registered
+    with or without Triton (then the reference runs on CUDA too), once per process."""
+
+    def deco(fn: F) -> Any:
+        namespace = getattr(torch.ops, FUSED_NAMESPACE)
+        try:
+            return getattr(namespace, name)
+        except (AttributeError, RuntimeError):
+            pass
+        op = torch.library.custom_op(f"{FUSED_NAMESPACE}::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+        if cuda is not None and HAS_TRITON:
+            op.register_kernel("cuda", cuda)
+        return getattr(namespace, name)
+
+    return deco

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ._backend import HAS_TRITON, next_pow2, pick, require_triton
-from ._library import register_op
+from ._library import fused_op, register_op
 
 if HAS_TRITON:
     from . import _drift_kernels
@@ -268,10 +268,15 @@ def entropy_triton(logits: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- dispatchers
 
-_KL = {"reference": reference_kl_drift, "triton": kl_drift_triton}
-_JS = {"reference": reference_js_drift, "triton": js_drift_triton}
-_COS = {"reference": reference_cosine_drift, "triton": cosine_drift_triton}
-_ENT = {"reference": reference_entropy, "triton": entropy_triton}
+# "fused": what ``backend="auto"`` calls, one opaque op (the kernel on CUDA, the reference elsewhere)
+_KL = {"reference": reference_kl_drift, "triton": kl_drift_triton,
+       "fused": fused_op("kl_drift", _pair_fake, cuda=_kl_drift_op)(reference_kl_drift)}
+_JS = {"reference": reference_js_drift, "triton": js_drift_triton,
+       "fused": fused_op("js_drift", _pair_fake, cuda=_js_drift_op)(reference_js_drift)}
+_COS = {"reference": reference_cosine_drift, "triton": cosine_drift_triton,
+        "fused": fused_op("cosine_drift", _cosine_fake, cuda=_cosine_drift_op)(reference_cosine_drift)}
+_ENT = {"reference": reference_entropy, "triton": entropy_triton,
+        "fused": fused_op("entropy", _entropy_fake, cuda=_entropy_op)(reference_entropy)}
 
 
 def kl_drift(p: Tensor, q: Tensor, eps: float = DEFAULT_EPS, backend: str = "auto") -> Tensor:

@@ -229,7 +229,20 @@ class DiffusionLM(nn.Module):
         return next(self.parameters()).dtype
 
     def new_cache(self, attention_mask: torch.Tensor, store_hidden: bool = False) -> DecodeCache:
-        return DecodeCache(self.spec, attention_mask, self.dtype, store_hidden)
+        """A :class:`DecodeCache` for ``attention_mask [B, T]``, with the rotary factors of every position
+        ``0 .. T`` (``position_rope``, built once here: a step looks its rows' factors up instead of computing them)."""
+        cache = DecodeCache(self.spec, attention_mask, self.dtype, store_hidden)
+        B, T = attention_mask.shape
+        table = self.rotary.table(torch.arange(T + 1, device=attention_mask.device)[None])
+        cache.position_rope = RopeTable(*(t.expand(B, -1, -1, -1) for t in table))
+        return cache
+
+    def rope_of(self, cache: DecodeCache, positions: torch.Tensor) -> RopeTable:
+        """Rotary factors of RoPE ``positions [B, X]``: looked up in the cache's ``position_rope`` (two gathers),
+        or computed (:meth:`Rotary.table`) for a cache built without it. The same values either way."""
+        if cache.position_rope is None:
+            return self.rotary.table(positions)
+        return cache.position_rope.rows(positions)
 
     # -- plain forward --------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,12 +290,12 @@ class DiffusionLM(nn.Module):
         if plan.first_layer > 0 and not plan.per_layer:
             raise ValueError("a plan that starts above layer 0 must be per layer")
         shared = None if plan.per_layer else torch.where(plan.valid, plan.index, trash)
-        rope = None if shared is None else self.rotary.table(cache.positions.gather(1, shared))
+        rope = None if shared is None else self.rope_of(cache, cache.positions.gather(1, shared))
         for layer in range(plan.first_layer, spec.n_layers):
             if shared is None:
                 index, valid = plan.at(layer)
                 index = torch.where(valid, index, trash)
-                rope = self.rotary.table(cache.positions.gather(1, index))
+                rope = self.rope_of(cache, cache.positions.gather(1, index))
             else:
                 index = shared
             if layer == 0:
@@ -374,7 +387,7 @@ class DiffusionLM(nn.Module):
         rows, kv_index = h, index
         if extra is not None:
             rows = torch.cat([h, extra.inputs.to(h.dtype)], dim=1)
-            rope = rope.cat(self.rotary.table(extra.positions))
+            rope = rope.cat(self.rope_of(cache, extra.positions))
             kv_index = torch.cat([index, extra.kv_index], dim=1)
         X = rows.shape[1]
         q, k, v = self.project_qkv(layer, rows, rope, meter)
@@ -425,12 +438,15 @@ class DiffusionLM(nn.Module):
         return (h + features.attn) + features.mlp
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
-                        meter: CostMeter | None = None) -> torch.Tensor:
+                        meter: CostMeter | None = None, key_rope: tuple | None = None) -> torch.Tensor:
         """Softmax attention of queries ``[B, H, R, hd]`` over cached keys ``[B, Hkv, T+1, hd]`` → fp32
-        ``[B, H, R, T+1]`` with masked keys at probability 0 (reads the keys once; counted when ``meter``)."""
+        ``[B, H, R, T+1]`` with masked keys at probability 0 (reads the keys once; counted when ``meter``). With
+        ``key_rope`` (cos, sin ``[B, 1, T+1, hd]``) the keys are rotated by it as they are read (one operation,
+        :func:`~polestar.kernels.proxy_attention.proxy_attention`)."""
         if meter is not None:
             meter.attention(keys, None)
-        return proxy_attention(q, keys, key_valid, 1.0 / math.sqrt(self.spec.head_dim))
+        cos, sin = key_rope if key_rope is not None else (None, None)
+        return proxy_attention(q, keys, key_valid, 1.0 / math.sqrt(self.spec.head_dim), key_cos=cos, key_sin=sin)
 
     def logits(self, h: torch.Tensor, meter: CostMeter | None = None) -> torch.Tensor:
         """LM head of final-normed hidden states ``[B, X, d]`` → ``[B, X, V]``: one pass over the head weight."""

@@ -68,11 +68,11 @@ class LayerOps:
         return linear(parts.attn_norm(h)).view(B, X, n_heads, self.spec.head_dim).transpose(1, 2)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
-                        meter: CostMeter | None = None) -> torch.Tensor:
+                        meter: CostMeter | None = None, key_rope: tuple | None = None) -> torch.Tensor:
         """Proxy attention (:meth:`~polestar.models.backbone.DiffusionLM.attention_probs`, the kernel the pass's
-        attention probe uses): ``q [B, H, R, hd]`` over ``keys [B, Hkv, T+1, hd]`` (``key_valid [B, T+1]``) → fp32
-        ``[B, H, R, T+1]``, masked keys at probability 0."""
-        return self._model.attention_probs(q, keys, key_valid, meter)
+        attention probe uses): ``q [B, H, R, hd]`` over ``keys [B, Hkv, T+1, hd]`` (``key_valid [B, T+1]``; keys
+        rotated by ``key_rope`` first when given) → fp32 ``[B, H, R, T+1]``, masked keys at probability 0."""
+        return self._model.attention_probs(q, keys, key_valid, meter, key_rope)
 
     def embed(self, tokens: torch.Tensor, meter: CostMeter) -> torch.Tensor:
         """Layer-0 inputs ``[B, X, d]`` of token ids ``tokens [B, X]`` (the lookup reads only those embedding rows)."""

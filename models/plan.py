@@ -48,7 +48,9 @@ class DecodeCache:
     ``k, v``: tuples of ``n_layers`` tensors ``[B, n_kv_heads, T + 1, head_dim]``, layer ``l``'s keys (stored after
     RoPE) and values; ``hidden``: a tuple of ``n_layers`` tensors ``[B, T + 1, d_model]``, the input of each layer
     (only when ``store_hidden``, else None); ``key_valid``: ``[B, T + 1]`` bool, False for left padding and the trash
-    slot; ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions).
+    slot; ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions);
+    ``position_rope``: the rotary factors (a :class:`~polestar.models.layers.RopeTable`, ``[B, T + 1, 1, hd]``) of the
+    positions ``0 .. T``, set by the model that makes the cache (``DiffusionLM.new_cache``), else None.
 
     One tensor per layer rather than one stacked ``[n_layers, ...]`` tensor: every layer's slice then starts at
     offset 0 of a buffer of its own, so the kernels a compiler generates for one layer's cache writes are the same
@@ -70,6 +72,7 @@ class DecodeCache:
         self.v = per_layer(B, spec.n_kv_heads, T + 1, spec.head_dim)
         self.hidden = per_layer(B, T + 1, spec.d_model) if store_hidden else None
         self.key_valid, self.positions = _validity_and_positions(attention_mask)
+        self.position_rope = None
 
     def reset(self, attention_mask: torch.Tensor) -> None:
         """Reuse this cache for a generation of the same shape with ``attention_mask [B, T]``, in place: its validity

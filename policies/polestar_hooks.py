@@ -11,8 +11,9 @@ back into the layer step):
 1. ``SparseUpdate.extra_rows`` → :meth:`PolestarMembers.extra_rows`: the previous layer's packet (its rows' K/V
    re-projected) and the layer's centroids (query-only rows) join the block's rows in the q/k/v matmuls;
 2. ``SparseUpdate.members`` → :meth:`PolestarMembers.select`: the centroids' attention over the layer's keys
-   (:func:`proxy_probs` → ``LayerOps.attention_probs``), its drift, the most drifting clusters (:func:`top_ranked`,
-   the rule of :func:`top_clusters`), their members gathered to capacity with their stored queries;
+   (:func:`proxy_probs` → ``LayerOps.attention_probs``), its drift, the most drifting clusters and their members
+   gathered to capacity (one operation, :func:`~polestar.kernels.member_choice.cluster_members`), with their stored
+   queries;
 3. the block's rows and the members go through attention, o and the MLP; ``SparseUpdate.after_layer`` keeps the
    members' outputs as the next layer's packet.
 
@@ -28,12 +29,13 @@ import torch
 
 from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache
 from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
 
-from .sparse_update import MemberStrategy, Packet, Selection, to_capacity
+from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
+
+from .sparse_update import MemberStrategy, Packet, Selection
 
 if TYPE_CHECKING:  # the selector that makes these hooks, and its buffers (it imports this module)
     from .refresh_polestar import PolestarRefresh, PolestarRefreshState, WindowBuffers
@@ -56,29 +58,11 @@ def pad_columns(t: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([t, t.new_full((t.shape[0], pad, *t.shape[2:]), fill)], dim=1)
 
 
-#: drifts are ranked on a grid of this step: differences below it are rounding noise (they change with the
-#: batch's matmul shapes and with a compiler's fusion), and a tie goes to the lower cluster index
-DRIFT_RESOLUTION = 2.0**-20
-
-
-def cluster_ranks(drift: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rank of each cluster by drift, 0 = most drifting, empty clusters last: ``drift, counts [B, K]`` → long
-    ``[B, K]``. Drifts are compared on a grid of :data:`DRIFT_RESOLUTION`; ties go to the lower cluster index."""
-    scores = torch.round(drift.float() / DRIFT_RESOLUTION).masked_fill(counts == 0, float("-inf"))
-    return scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
-
-
 def top_clusters(drift: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` most drifting non-empty clusters of each row: ``drift, counts [B, K]`` → bool ``[B, K]``.
-    Ties go to the lower cluster index, so a larger ``k`` always selects a superset."""
+    """The ``k`` most drifting non-empty clusters of each row: ``drift, counts [B, K]`` → bool ``[B, K]``
+    (:func:`~polestar.kernels.member_choice.cluster_ranks`). Ties go to the lower cluster index, so a larger ``k``
+    always selects a superset."""
     return top_ranked(cluster_ranks(drift, counts), counts, k)
-
-
-def top_ranked(ranks: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`top_clusters` from the clusters' :func:`cluster_ranks` ``ranks [B, K]`` (for a caller that also
-    orders members by them): the ``k`` best-ranked non-empty clusters, bool ``[B, K]``."""
-    return (ranks < min(k, ranks.shape[1])) & (counts > 0)
-
 
 
 def proxy_probs(ops: LayerOps, cache: DecodeCache, layer: int, key_rope: tuple | None, q: torch.Tensor,
@@ -87,15 +71,13 @@ def proxy_probs(ops: LayerOps, cache: DecodeCache, layer: int, key_rope: tuple |
     (:meth:`~polestar.models.layer_ops.LayerOps.attention_probs`). The keys are the cached (rotated) ones when
     ``key_rope`` is None (``proxy_rope``), else the keys with their rotary embedding undone (``key_rope``: cos and
     -sin ``[B, 1, T + 1, hd]`` of the cache positions, the inverse rotation), as the authors' released code scores
-    un-rotated centroid queries against un-rotated keys; that pass reads the keys once more, and ``meter`` counts
-    it."""
+    un-rotated centroid queries against un-rotated keys. The rotation is part of the one proxy-attention operation;
+    ``meter`` counts it as one more pass over the keys, as the torch reference (and the authors' code) runs it (the
+    CUDA kernel rotates the keys as it loads them)."""
     keys = cache.k[layer]
-    if key_rope is not None:
-        if meter is not None:
-            meter.attention(keys, None)  # the pass that undoes the rotary embedding
-        cos, neg_sin = key_rope
-        keys = Rotary.apply(keys, cos, neg_sin)
-    return ops.attention_probs(q, keys, cache.key_valid, meter)
+    if key_rope is not None and meter is not None:
+        meter.attention(keys, None)  # the rotation undone: counted as a pass of its own, as the authors' code runs it
+    return ops.attention_probs(q, keys, cache.key_valid, meter, key_rope)
 
 
 class ClusterDrift(NamedTuple):
@@ -192,11 +174,10 @@ class PolestarBuildHook(LayerHook):
         for i in range(hw.shape[0]):
             with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
                 buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
-        for i in range(hw.shape[0]):  # one buffer per layer (see WindowBuffers)
-            buf.centroids[first + i].copy_(centroids[i])
-            buf.labels[first + i].copy_(labels[i])
-            buf.counts[first + i].copy_(counts[i])
-            buf.centroid_pos[first + i].copy_(centroid_pos[i])
+        layers = range(first, first + hw.shape[0])  # one buffer per layer (see WindowBuffers), one copy per kind
+        for kept, new in ((buf.centroids, centroids), (buf.labels, labels), (buf.counts, counts),
+                          (buf.centroid_pos, centroid_pos)):
+            torch._foreach_copy_([kept[layer] for layer in layers], list(new.unbind(0)))
         return centroids, centroid_pos
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
@@ -256,6 +237,7 @@ class PolestarMembers(MemberStrategy):
         self.trash = window.size
         self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
         self.capacity = sel.capacities(window.size, ops.spec.n_layers)
+        self.proxy_slots = torch.full_like(buf.centroid_pos[0], cache.trash)  # centroids only query: the trash slot
         self.wants_head = sel.packet_logits
         self.x = state.x
         self.n_kv = 0
@@ -267,13 +249,9 @@ class PolestarMembers(MemberStrategy):
     def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
         """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""
         buf = self.buffers
-        labels = buf.labels[layer].gather(1, packet.rows.clamp(max=self.trash - 1))
-        k_clusters = buf.centroids[layer].shape[1]
-        keep = (packet.valid & (labels >= 0))[..., None].to(old.dtype)
-        onehot = torch.nn.functional.one_hot(labels.clamp_min(0), k_clusters).to(old.dtype) * keep
-        delta = torch.einsum("bmk,bmd->bkd", onehot, packet.out.to(old.dtype) - old)
-        counts = buf.counts[layer].clamp_min(1)[..., None].to(old.dtype)
-        buf.centroids[layer].add_((delta / counts).to(buf.centroids[layer].dtype))
+        centroids = buf.centroids[layer]
+        centroids.add_(centroid_shift(buf.labels[layer], buf.counts[layer], packet.rows, packet.valid, packet.out,
+                                      old, centroids.dtype))
 
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
                    meter) -> ExtraRows | None:
@@ -282,7 +260,7 @@ class PolestarMembers(MemberStrategy):
         if not self.sel.refreshes_layer(layer, self.ops.spec.n_layers):
             return kv
         pos = buf.centroid_pos[layer]
-        proxies = ExtraRows(buf.centroids[layer], pos, torch.full_like(pos, self.cache.trash))
+        proxies = ExtraRows(buf.centroids[layer], pos, self.proxy_slots)
         if kv is None:
             return proxies
         return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(kv, proxies)))
@@ -301,14 +279,11 @@ class PolestarMembers(MemberStrategy):
             cur = proxy_probs(ops, self.cache, layer, local.key_rope, q_extra[:, :, self.n_kv:], qkv.meter)
         with scope("drift"):
             drift = sel.drift.score(cur, buf.prev[layer])
-        buf.prev[layer].copy_(torch.where(self.due[:, None, None, None], cur, buf.prev[layer]))
+        torch.where(self.due[:, None, None, None], cur, buf.prev[layer], out=buf.prev[layer])  # in place, one op
         k = sel.config.topk_last if layer == ops.spec.n_layers - 1 else sel.config.topk
         counts, labels = buf.counts[layer], buf.labels[layer]
-        rank = cluster_ranks(drift, counts)
-        chosen = top_ranked(rank, counts, k) & self.due[:, None]  # [B, K]
-        label = labels.clamp_min(0)
-        member = self.window.valid & (labels >= 0) & chosen.gather(1, label)
-        rows, valid = to_capacity(member, rank.gather(1, label), self.capacity[layer], self.trash)
+        rows, valid, chosen = cluster_members(drift, counts, labels, self.window.valid, self.due, k,
+                                              self.capacity[layer], self.trash)
         if self.detail is not None:  # an observer records: every cluster's drift and the chosen ones
             self.detail.clusters[layer] = ClusterDrift(drift, counts, chosen, self.window.positions, labels)
         with scope("store"):

@@ -105,7 +105,16 @@ class _FeatureHook(LayerHook):
         self.n_pick = int((T - P) * config.ratio)
         self.own = cache.key_valid[:, :T] & plan.valid  # [B, T] a row's own, active positions
         self.arange = torch.arange(T, device=device)
-        self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=device)
+        self.computed: list[torch.Tensor] = []  # each layer's recomputed rows [B, R_l], counted once after the pass
+
+    @property
+    def evals(self) -> torch.Tensor:
+        """``[B]`` long: the rows the layers recomputed that are a row's own positions, minus the plan's rows at
+        every layer (one gather and sum over the pass, read after it)."""
+        if not self.computed:
+            return torch.zeros(self.own.shape[0], dtype=torch.long, device=self.own.device)
+        own = self.own.gather(1, torch.cat(self.computed, dim=1)).sum(dim=1)
+        return own - len(self.computed) * self.own.sum(dim=1)
 
     def features(self, layer: int, h: torch.Tensor, meter) -> CachedFeatures:
         P, B = self.state.prompt_len, self.state.batch_size
@@ -120,7 +129,7 @@ class _FeatureHook(LayerHook):
             self.state.detail.computed[layer] = (rows, self.own.gather(1, rows))
         if not (layer == 0 or self.response) and self.transfer:
             rows = torch.cat([rows, P + self._value_pick(layer, h, meter)], dim=1)
-        self.evals.add_(self.own.gather(1, rows).sum(dim=1) - self.own.sum(dim=1))
+        self.computed.append(rows)
         return CachedFeatures(rows, self.local.attn[layer], self.local.mlp[layer])
 
     def _value_pick(self, layer: int, h: torch.Tensor, meter) -> torch.Tensor:

@@ -67,7 +67,7 @@ class RowStore:
     def write(self, layer: int, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> None:
         """Re-encode and store ``values [B, M, dim]`` at ``rows [B, M]`` where ``valid [B, M]``; invalid slots go to
         the trash row, so every other row keeps its encoded bytes."""
-        rows = torch.where(valid, rows, torch.full_like(rows, self.n_rows))
+        rows = torch.where(valid, rows, self.n_rows)
         payload = values.to(self.dtype)
         if self.anchored[layer]:
             payload = payload - gather_rows(self.anchor[layer], rows)

@@ -60,19 +60,6 @@ def make_window(block_start: int | torch.Tensor, block_length: int, shift: int, 
     return Window(positions, valid, prefix)
 
 
-def to_capacity(member: torch.Tensor, priority: torch.Tensor, capacity: int,
-                trash: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather the chosen rows into a fixed-capacity buffer.
-
-    ``member [B, N]`` bool, ``priority [B, N]`` (lower first; ties keep column order) → ``rows [B, capacity]`` long
-    (``trash`` in unused slots) and ``valid [B, capacity]`` bool. When more than ``capacity`` rows are chosen, the
-    ones with the largest priority are left out."""
-    key = priority.masked_fill(~member, torch.iinfo(torch.long).max)
-    order = key.argsort(dim=1, stable=True)[:, :capacity]
-    valid = member.gather(1, order)
-    return torch.where(valid, order, trash), valid
-
-
 class Selection(NamedTuple):
     """The members a strategy picked at one layer.
 
@@ -167,7 +154,15 @@ class SparseUpdate(LayerHook):
         self.compilable = compilable
         self.packet_rows: Packet | None = None
         self.current: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.evals = torch.zeros(batch, dtype=torch.long, device=device)
+        self.chosen: list[torch.Tensor] = []  # each layer's valid members [B, M_l], counted once after the pass
+        self._none = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def evals(self) -> torch.Tensor:
+        """``[B]`` long: valid members per sequence summed over the layers (one sum over the pass, read after it)."""
+        if not self.chosen:
+            return self._none
+        return torch.cat(self.chosen, dim=1).sum(-1)
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
         strategy, packet = self.strategy, self.packet_rows
@@ -176,7 +171,7 @@ class SparseUpdate(LayerHook):
             old = strategy.store.read(layer, packet.rows) if strategy.wants_old else None
             strategy.store.write(layer, packet.rows, packet.valid, packet.out)
             strategy.on_write(layer, packet, old)
-            slots = torch.where(packet.valid, strategy.slots(packet.rows), self.cache.trash)
+            slots = strategy.slots(packet.rows)  # invalid slots hold the trash row (Selection): the trash slot
             kv = ExtraRows(packet.out, self.cache.positions.gather(1, slots), slots)
         return strategy.extra_rows(layer, h, packet, kv, meter)
 
@@ -192,7 +187,7 @@ class SparseUpdate(LayerHook):
             positions = self.cache.positions.gather(1, self.strategy.slots(sel.rows))
             q = self.ops.project_queries(layer, inputs, positions, qkv.meter)
         self.current = (sel.rows, sel.valid)
-        self.evals += sel.valid.sum(-1)
+        self.chosen.append(sel.valid)
         if self.detail is not None:  # an observer records: the members' cache positions
             self.detail.refreshed[layer] = (self.strategy.slots(sel.rows), sel.valid)
         return MemberRows(q, inputs)

@@ -23,7 +23,7 @@ from polestar.kernels import _backend, drift  # noqa: E402
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 #: the kernels a polestar decode with NVFP4 row stores and the kl drift launches
 STEP_KERNELS = {"proxy_attention_kernel", "kl_rows_kernel", "assign_kernel", "nvfp4_quant_kernel",
-                "nvfp4_dequant_kernel"}
+                "nvfp4_dequant_kernel", "cluster_members_kernel", "centroid_shift_kernel"}
 
 
 def run_aot(tmp_path_factory, runs: str) -> dict:
@@ -75,6 +75,7 @@ def test_shadowed_decode_keeps_its_tokens_and_records_every_launch(tmp_path):
         assert launch.site.endswith("_triton") and launch.site in aot.triton_wrappers()
     # restored: the dispatch tables hold the wrappers again, and auto picks the reference on the CPU
     assert drift._KL["triton"] is drift.kl_drift_triton is aot.triton_wrappers()["kl_drift_triton"][0]
+    assert drift._KL["fused"] is torch.ops.polestar_fused.kl_drift
     assert _backend.resolve_backend("auto", torch.zeros(1)) == "reference"
 
 

@@ -193,3 +193,49 @@ def test_triton_corner_cases(kdev, dtype, group):
     probs = pa.proxy_attention_triton(*args, 0.3).cpu()
     assert rel_rms(probs, pa.reference_proxy_attention(q, k, valid, 0.3)) < TOL[dtype]
     assert (probs[1] == 0).all() and torch.isfinite(probs).all()
+
+
+# ----------------------------------------------------------------------------- keys rotated as they are read
+
+
+def key_rotation(b: int, t: int, hd: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and -sin ``[B, 1, T, hd]`` of random positions: the inverse of the keys' rotary embedding."""
+    pos = torch.randint(0, 500, (b, t), generator=gen).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.cat([pos[..., None] * inv] * 2, dim=-1)[:, None]
+    return ang.cos(), -ang.sin()
+
+
+def test_reference_rotation_equals_rotating_the_keys_first():
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 3, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen)
+    valid = torch.rand(2, 9, generator=gen) < 0.7
+    cos, sin = key_rotation(2, 9, 8, gen)
+    unrotated = pa.rotate_keys(k, cos, sin)
+    x1, x2 = k.chunk(2, dim=-1)  # rotate_half written out
+    assert torch.equal(unrotated, k * cos + torch.cat((-x2, x1), dim=-1) * sin)
+    expected = pa.reference_proxy_attention(q, unrotated, valid, 0.4)
+    assert torch.equal(pa.reference_proxy_attention(q, k, valid, 0.4, cos, sin), expected)
+    assert torch.equal(pa.proxy_attention(q, k, valid, 0.4, key_cos=cos, key_sin=sin), expected)  # one fused op
+    with pytest.raises(ValueError, match="together"):
+        pa.proxy_attention(q, k, valid, 0.4, key_cos=cos)
+    with pytest.raises(ValueError, match="key_sin"):
+        pa.proxy_attention(q, k, valid, 0.4, key_cos=cos, key_sin=sin[:, :, :4])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2])
+def test_triton_rotates_keys_as_the_reference(kdev, dtype, group):
+    gen = torch.Generator().manual_seed(group)
+    b, t, hd = 2, 41, 16
+    q = torch.randn(b, 2 * group, 3, hd, generator=gen).to(dtype)
+    k = torch.randn(b, t, 2, hd, generator=gen).to(dtype).transpose(1, 2)  # strided, as the cache's view
+    valid = torch.rand(b, t, generator=gen) < 0.6
+    cos, sin = key_rotation(b, t, hd, gen)
+    ref = pa.reference_proxy_attention(q, k, valid, 0.25, cos, sin)
+    with small_blocks():
+        out = pa.proxy_attention_triton(*(x.to(kdev) for x in (q, k, valid)), 0.25, cos.to(kdev),
+                                        sin.to(kdev)).cpu()
+    assert rel_rms(out, ref) < TOL[dtype]
+    assert (out[~valid[:, None, None, :].expand_as(out)] == 0).all()
