@@ -15,9 +15,10 @@ from torch import nn
 
 from polestar.kernels.proxy_attention import proxy_attention
 
+from . import layer_regions
 from .cost import CostMeter
 from .hooks import LayerHook
-from .layer_regions import LayerWeights, attend_mlp, attend_out, mlp_branch, qkv_rows
+from .layer_regions import LayerWeights
 from .layers import RopeTable, Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
@@ -342,8 +343,8 @@ class DiffusionLM(nn.Module):
         ``k, v [B, Hkv, X, hd]`` (views). Counted on ``meter`` as the norm's and each projection's weights."""
         spec, parts, w = self.spec, self.layer_parts(layer), self.layer_weights(layer)
         H = spec.n_heads
-        qk, qkv = qkv_rows(rows, w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, rope.cos, rope.sin,
-                           spec.norm_eps, H, spec.n_kv_heads)
+        qk, qkv = layer_regions.active().qkv_rows(rows, w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, rope.cos,
+                                                  rope.sin, spec.norm_eps, H, spec.n_kv_heads)
         v = qkv[:, :, H + spec.n_kv_heads :]
         meter.weight(parts.attn_norm.weight)
         for proj in (parts.q, parts.k, parts.v):
@@ -406,8 +407,9 @@ class DiffusionLM(nn.Module):
             rows_q = probe_rows[:, None, :, None].expand(-1, spec.n_heads, -1, spec.head_dim)
             probs = self.attention_probs(q_att.gather(2, rows_q), keys, cache.key_valid, meter)
         w = self.layer_weights(layer)
-        out = attend_mlp(q_att, resid, keys, values, cache.key_valid, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias,
-                         w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps)
+        regions = layer_regions.active()
+        out = regions.attend_mlp(q_att, resid, keys, values, cache.key_valid, w.o, w.o_bias, w.mlp_norm,
+                                 w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps)
         self._count_out_mlp(layer, meter)
         if members is not None:
             hook.after_layer(layer, out[:, C:])
@@ -428,10 +430,11 @@ class DiffusionLM(nn.Module):
             q, k, v = self.project_qkv(layer, _gather_rows(h, rows), rope.rows(rows), meter)
             self.write_kv(cache, layer, index.gather(1, rows), k, v)
             keys, values = cache.k[layer], cache.v[layer]
-            _scatter_rows(features.attn, rows, attend_out(q, keys, values, cache.key_valid, w.o, w.o_bias))
-            _scatter_rows(features.mlp, rows, mlp_branch(_gather_rows(h + features.attn, rows), w.mlp_norm,
-                                                         w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down,
-                                                         w.down_bias, spec.norm_eps))
+            regions = layer_regions.active()
+            _scatter_rows(features.attn, rows, regions.attend_out(q, keys, values, cache.key_valid, w.o, w.o_bias))
+            _scatter_rows(features.mlp, rows, regions.mlp_branch(_gather_rows(h + features.attn, rows), w.mlp_norm,
+                                                                 w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down,
+                                                                 w.down_bias, spec.norm_eps))
             self._count_out_mlp(layer, meter)
             meter.rows(layer_rows=B * R)
             meter.attention(keys, values)

@@ -14,6 +14,8 @@ queries ``[B, H, Q, hd]``; cached keys and values ``[B, Hkv, T + 1, hd]``; ``key
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -49,7 +51,6 @@ class LayerWeights(NamedTuple):
     down_bias: torch.Tensor | None
 
 
-@region
 def qkv_rows(rows, norm, norm_bias, qkv, qkv_bias, cos, sin, eps: float, n_heads: int, n_kv_heads: int):
     """The attention norm of ``rows [B, X, d]``, one matmul over the fused q/k/v weight and one rotation of the q and
     k heads together → ``qk [B, X, H + Hkv, hd]`` (rotated q heads then k heads) and the projection
@@ -73,7 +74,6 @@ def _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps: floa
     return F.linear(F.silu(gate) * up, down, down_bias)
 
 
-@region
 def attend_mlp(q, resid, keys, values, key_valid, o, o_bias, norm, norm_bias, gate_up, gate_up_bias, down,
                down_bias, eps: float):
     """The rest of a layer for the rows whose queries are ``q [B, H, Q, hd]`` and whose layer inputs are
@@ -83,14 +83,65 @@ def attend_mlp(q, resid, keys, values, key_valid, o, o_bias, norm, norm_bias, ga
     return hid + _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
 
 
-@region
 def attend_out(q, keys, values, key_valid, o, o_bias):
     """Attention of ``q [B, H, Q, hd]`` over the layer's cache and the o projection → ``[B, Q, d]`` (no residual:
     a feature cache keeps this branch's output)."""
     return F.linear(_attend(q, keys, values, key_valid), o, o_bias)
 
 
-@region
 def mlp_branch(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float):
     """The MLP branch of ``hid [B, X, d]`` (norm, fused gate/up, SwiGLU, down), its residual not added."""
     return _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
+
+
+class Regions(NamedTuple):
+    """The functions a layer's pass calls for its model work (:meth:`~polestar.models.backbone.DiffusionLM.
+    layer_step` reads them from :func:`active`): the plain functions of this module, as nested compile regions
+    (:data:`NESTED`, what a whole-step compile traces) or each compiled on its own (:func:`compiled`)."""
+
+    qkv_rows: Callable
+    attend_mlp: Callable
+    attend_out: Callable
+    mlp_branch: Callable
+
+
+#: the plain functions (eager steps)
+PLAIN = Regions(qkv_rows, attend_mlp, attend_out, mlp_branch)
+#: each a nested compile region: a whole-step ``torch.compile`` compiles each once and calls it at every layer
+NESTED = Regions(*(region(fn) for fn in PLAIN))
+_ACTIVE: list[Regions] = [NESTED]
+_COMPILED: dict[tuple, Regions] = {}
+
+
+def active() -> Regions:
+    """The regions layer passes call now (:data:`NESTED` unless inside :func:`using`)."""
+    return _ACTIVE[-1]
+
+
+@contextlib.contextmanager
+def using(regions: Regions) -> Iterator[Regions]:
+    """Layer passes inside the block call ``regions``."""
+    _ACTIVE.append(regions)
+    try:
+        yield regions
+    finally:
+        _ACTIVE.pop()
+
+
+def compiled(backend: str | Callable = "inductor", options: dict | None = None) -> Regions:
+    """Every region compiled on its own (``torch.compile(fullgraph=True, dynamic=False)``), made once per process
+    and backend: a step that runs its glue eagerly and calls these compiles one layer's code once per shape,
+    whatever the depth and whatever the torch version (a whole-step compile reuses its nested regions without
+    re-tracing them only from torch 2.12). On CUDA such a step is then captured whole as a CUDA graph
+    (:class:`~polestar.step_graphs.StepGraphs`)."""
+    key = (backend, repr(sorted((options or {}).items())))
+    regions = _COMPILED.get(key)
+    if regions is None:
+        regions = _COMPILED[key] = Regions(*(
+            torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options) for fn in PLAIN))
+    return regions
+
+
+#: whether a whole-step compile reuses a nested region without tracing it again at every call (torch ≥ 2.12; on
+#: older versions dynamo traces each layer's call, and the compile grows with depth)
+NESTED_REGIONS_REUSED = region is not _identity and tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import attrs
 import torch
 
+from polestar.models import layer_regions
 from polestar.models.backbone import AttentionProbe, DiffusionLM
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.plan import DecodeCache, Plan
@@ -403,10 +404,15 @@ class StepRunner:
     def __init__(self, compile: bool | str | Callable, device: torch.device, pipeline: Pipeline,
                  static_addresses: bool | None = None, graphs=None):
         self.device = torch.device(device)
-        self.compile = bool(compile) and pipeline_compilable(pipeline)
+        compile = compile_mode(compile)
+        compilable = pipeline_compilable(pipeline)
+        #: ``compile="layers"``: each layer region compiled on its own, the step's glue eager (graphs on CUDA)
+        self.regions = layer_regions.compiled(options=_region_options(self.device)) \
+            if compile == LAYERS and compilable else None
+        self.compile = bool(compile) and compilable and self.regions is None
         self.eager_steps = 0
         self.compiled_steps = 0
-        self.graphs = None if self.compile or not pipeline_compilable(pipeline) else _step_graphs(graphs, self.device)
+        self.graphs = None if self.compile or not compilable else _step_graphs(graphs, self.device)
         self._compiled = None
         self._binding = None
         self._active = False
@@ -444,7 +450,7 @@ class StepRunner:
     def running(self):
         """Hold the compile settings (:func:`_compile_settings`) for a run of steps: entering them costs about as
         much as a small compiled step, so a generation enters them once, not per step."""
-        if self._compiled is None or self._active:
+        if (self._compiled is None and self.regions is None) or self._active:
             yield
             return
         with _compile_settings():
@@ -457,6 +463,12 @@ class StepRunner:
     def __call__(self, gen: Generation, phase: StepPhase) -> StepOutput:
         gen.draw()
         gen.state.phase = phase
+        if self.regions is not None:
+            self.compiled_steps += 1
+            with self.running(), layer_regions.using(self.regions):
+                if self.graphs is not None and gen.state.detail is None:
+                    return self.graphs(gen)
+                return decode_step(gen)
         if self._compiled is None:
             if self.graphs is not None and gen.state.detail is None:  # an observer's step runs eagerly
                 return self.graphs(gen)
@@ -469,6 +481,27 @@ class StepRunner:
             return self._compiled(gen)
         with self.running():
             return self._compiled(gen)
+
+
+#: ``compile="layers"``: every layer region compiled on its own (:func:`polestar.models.layer_regions.compiled`), the
+#: rest of the step run eagerly and, on CUDA, captured whole as one CUDA graph per phase (:class:`StepGraphs`)
+LAYERS = "layers"
+
+
+def compile_mode(compile: bool | str | Callable) -> bool | str | Callable:
+    """What ``compile`` means on this torch: ``True`` is a whole-step compile where a whole-step compile reuses its
+    nested layer regions (torch ≥ 2.12, :data:`~polestar.models.layer_regions.NESTED_REGIONS_REUSED`), else
+    :data:`LAYERS` (a whole-step compile on an older torch traces every layer again, its compile grows with depth);
+    anything else is returned as given (``"layers"``, a backend name, a backend callable)."""
+    if compile is True and not layer_regions.NESTED_REGIONS_REUSED:
+        return LAYERS
+    return compile
+
+
+def _region_options(device: torch.device) -> dict | None:
+    """Inductor options of the regions compiled on their own: the CPU step's (:data:`_INDUCTOR_OPTIONS`); on CUDA
+    inductor's defaults (the step around them is captured as a CUDA graph by :class:`StepGraphs`)."""
+    return None if device.type == "cuda" else _INDUCTOR_OPTIONS
 
 
 def _step_graphs(graphs, device: torch.device) -> StepGraphs | None:

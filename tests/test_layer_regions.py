@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import polestar
-from polestar.models.layer_regions import attend_mlp, qkv_rows
+from polestar.models.layer_regions import NESTED
 from polestar.testing import tiny_model
 
 PROMPTS = [[5, 17, 3, 8], [9, 1, 22, 30, 4, 11]]
@@ -61,12 +61,12 @@ def test_regions_compiled_by_inductor_equal_their_eager_results():
 
     def layers(h, keys, values):
         for w, k_cache, v_cache in zip(weights, keys, values):
-            qk, qkv = qkv_rows(h, w["norm"], None, w["qkv"], None, cos, sin, 1e-5, H, H)
+            qk, qkv = NESTED.qkv_rows(h, w["norm"], None, w["qkv"], None, cos, sin, 1e-5, H, H)
             slot = index[:, None, :, None].expand(-1, H, -1, hd)
             k_cache.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
             v_cache.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
-            h = attend_mlp(qk[:, :, :H].transpose(1, 2), h, k_cache, v_cache, valid, w["o"], None, w["mlp_norm"],
-                           None, w["gate_up"], None, w["down"], None, 1e-5)
+            h = NESTED.attend_mlp(qk[:, :, :H].transpose(1, 2), h, k_cache, v_cache, valid, w["o"], None,
+                                  w["mlp_norm"], None, w["gate_up"], None, w["down"], None, 1e-5)
         return h
 
     def caches():
@@ -79,3 +79,59 @@ def test_regions_compiled_by_inductor_equal_their_eager_results():
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     for a, b in zip(k1 + v1, k0 + v0):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _regions_compiled_by(backend_graphs: list, layers: int, policy: str) -> torch.Tensor:
+    """Decode eagerly with every layer region compiled on its own by a recording backend; the tokens."""
+    from polestar.models import layer_regions
+
+    def backend(gm, example_inputs):
+        backend_graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = tiny_model("llada", seed=3, n_layers=layers)
+    with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False), \
+            layer_regions.using(layer_regions.Regions(*(torch.compile(fn, backend=backend, fullgraph=True,
+                                                                      dynamic=False)
+                                                        for fn in layer_regions.PLAIN))):
+        return polestar.generate(model, PROMPTS, policy=policy, gen_length=16, block_length=8).tokens
+
+
+@pytest.mark.parametrize("policy", ["fast-dllm", "polestar"])
+def test_regions_compiled_on_their_own_compile_once_whatever_the_depth(policy):
+    """``compile="layers"``: each region is compiled once per shape it meets, the same at 2 layers and at 4, and the
+    decode gives the eager tokens."""
+    shallow, deep = [], []
+    tokens2 = _regions_compiled_by(shallow, 2, policy)
+    tokens4 = _regions_compiled_by(deep, 4, policy)
+    assert 0 < len(shallow) == len(deep)
+    for layers, tokens in ((2, tokens2), (4, tokens4)):
+        eager = polestar.generate(tiny_model("llada", seed=3, n_layers=layers), PROMPTS, policy=policy,
+                                  gen_length=16, block_length=8)
+        assert torch.equal(tokens, eager.tokens)
+
+
+def test_compile_true_means_layers_where_nested_regions_are_traced_at_every_call(monkeypatch):
+    from polestar import step
+    from polestar.models import layer_regions
+
+    monkeypatch.setattr(layer_regions, "NESTED_REGIONS_REUSED", False)
+    assert step.compile_mode(True) == step.LAYERS
+    monkeypatch.setattr(layer_regions, "NESTED_REGIONS_REUSED", True)
+    assert step.compile_mode(True) is True
+    assert step.compile_mode("layers") == "layers" and step.compile_mode("aot_eager") == "aot_eager"
+    assert step.compile_mode(False) is False
+
+
+@pytest.mark.slow
+def test_layers_mode_with_inductor_equals_eager_and_reuses_its_regions_at_another_depth():
+    out2 = polestar.generate(tiny_model("llada", seed=3, n_layers=2), PROMPTS, policy="polestar", compile="layers",
+                             gen_length=16, block_length=8)
+    model8 = tiny_model("llada", seed=3, n_layers=8)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    out8 = polestar.generate(model8, PROMPTS, policy="polestar", compile="layers", gen_length=16, block_length=8)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the 2-layer decode compiled them all
+    eager8 = polestar.generate(model8, PROMPTS, policy="polestar", gen_length=16, block_length=8)
+    assert out2.stats.compiled_steps == out2.stats.nfe and out8.stats.compiled_steps == out8.stats.nfe
+    assert torch.equal(out8.tokens, eager8.tokens)
