@@ -178,7 +178,8 @@ def test_tiny_cpu_defaults_compile_without_codegen_in_float32():
     # compiled at the published depth: a layer is one compiled region, reused by every layer
     assert (full.layers, full.compile_layers, full.compile_backend, full.dtype) == (32, 32, "inductor", "bfloat16")
     assert full.modes == ["eager", "graphs", "compiled"] and not full.profile
-    assert full.batches == [1, 16] and full.compile_policies == ["baseline", "polestar"] and full.budget == 450
+    assert full.batches == [1, 16] and full.compile_policies == ["fast-dllm", "polestar"] and full.budget == 450
+    assert set(check.POLICIES) == {"baseline", "fast-dllm", "elastic-cache", "dllm-cache", "polestar"}
 
 
 def test_eager_rows_are_truly_eager_and_profile_lists_the_costliest_operations(capsys):
