@@ -221,8 +221,11 @@ def generate(
     ``generation_config.json``'s value, else 0. ``on_step`` receives a :class:`~polestar.state.StepRecord` after
     every step (for tests and diagnostics such as ``polestar anatomy``).
     The outputs of stages from outside the package (plugins) are checked against their kind's contract
-    (:mod:`polestar.contracts`); ``check_stages=True`` checks every stage, ``check_stages=False`` none (default:
-    the environment variable ``POLESTAR_CHECK_STAGES`` when set).
+    (:mod:`polestar.contracts`; with ``compile=True`` in the first step of each step phase, run eagerly, and the
+    other steps compile); ``check_stages=True`` checks every stage, ``check_stages=False`` none (default: the
+    environment variable ``POLESTAR_CHECK_STAGES`` when set). Where ``compile=True`` cannot compile (a stage
+    declares ``compilable = False``, or a plugin's code does not trace) the steps run eagerly and one log line says
+    why (:mod:`polestar.compile_off`).
 
     ``gen_length`` / ``block_length`` None take the settings of the published checkpoint's preset when the model
     was loaded from one (recognised from its config.json, as ``polestar generate`` does), else

@@ -266,7 +266,7 @@ def cmd_generate(args) -> int:
         raise RuntimeFailure(f"prompt #{first + 1} {args.prompt[first]!r} stopped early: {err}{more}; its output is "
                              "incomplete (a float32 run may avoid it: --dtype float32)")
     s = RunStats.merge([out.stats for _, out in outs])
-    compiled = f" compile={s.compile_s:.2f}s" if args.compile else ""
+    compiled = f" compile={s.compile_s:.2f}s compiled_steps={s.compiled_steps}" if args.compile else ""
     print(f"[{args.policy}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s{compiled} "
           f"token_layer_evals={s.token_layer_evals} proxy_query_evals={s.proxy_query_evals} "
           f"weight_bytes/token={s.weight_bytes_per_token:.0f} weight_bytes/step={s.weight_bytes_per_step:.0f} "

@@ -7,10 +7,16 @@ raises one :class:`StageContractError` naming the stage, the method and what it 
 
 By default only stages from outside the package are checked (:func:`wanted`): a plugin file, an installed entry
 point, a class of your own, whose first NaN or wrong shape would otherwise run on silently or crash far away. The
-built-in stages are not (a check reads the device: every check is a host read, and a checked stage makes the step
-run eagerly). ``polestar.generate(..., check_stages=True)`` / ``polestar.assemble(..., check_stages=True)`` or the
-environment variable ``POLESTAR_CHECK_STAGES=1`` check every stage; ``check_stages=False`` or
-``POLESTAR_CHECK_STAGES=0`` none. :mod:`polestar.testing` always checks.
+built-in stages are not (a check reads the device: every check is a host read).
+``polestar.generate(..., check_stages=True)`` / ``polestar.assemble(..., check_stages=True)`` or the environment
+variable ``POLESTAR_CHECK_STAGES=1`` check every stage; ``check_stages=False`` or ``POLESTAR_CHECK_STAGES=0`` none.
+:mod:`polestar.testing` always checks.
+
+A check runs on every call made eagerly, and never inside a compiled step or a captured graph (:func:`active`):
+there the stage's method runs unchecked, and a checked stage stays compilable. With ``compile=True`` the first step
+of each step phase runs eagerly with its checks and the rest of the decode compiles
+(:class:`polestar.step.StepRunner`); the graphs that replay uncompiled steps on CUDA are captured after that
+phase's eager, checked first step the same way (:class:`polestar.step_graphs.StepGraphs`).
 
 Each kind's contract is part of its record (:attr:`polestar.stage_kinds.StageKind.contract`, declared next to
 the kind's base class): method name → a check of what the method returns, built from :func:`fail` and
@@ -19,8 +25,10 @@ the kind's base class): method name → a check of what the method returns, buil
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +37,11 @@ import torch
 from .stage_kinds import KINDS
 
 ENV_SWITCH = "POLESTAR_CHECK_STAGES"
+
+#: the instance attribute :func:`checked` sets on a stage it wrapped
+MARK = "contract_checked"
+
+_LOCAL = threading.local()
 
 
 class StageContractError(ValueError):
@@ -105,18 +118,42 @@ def contract(kind: str) -> Mapping[str, Callable[..., None]]:
     return record.contract if record is not None else {}
 
 
+def active() -> bool:
+    """Whether a checked stage's checks run now: not while dynamo traces a compiled step (there a check's host read
+    would break the graph) nor within :func:`suspended` on this thread."""
+    return not torch.compiler.is_compiling() and not getattr(_LOCAL, "suspended", False)
+
+
+@contextlib.contextmanager
+def suspended():
+    """Within: no check runs on this thread (a graph capture, which must not read the device). Nests."""
+    before = getattr(_LOCAL, "suspended", False)
+    _LOCAL.suspended = True
+    try:
+        yield
+    finally:
+        _LOCAL.suspended = before
+
+
+def is_checked(stage) -> bool:
+    """Whether :func:`checked` wrapped ``stage``'s contract methods."""
+    return bool(getattr(stage, MARK, False))
+
+
 def checked(stage):
-    """Wrap, on this instance, every contract method of ``stage`` with its check; returns ``stage``. A checked
-    stage is not compilable (its checks read the device), so the step runs eagerly."""
+    """Wrap, on this instance, every contract method of ``stage`` with its check; returns ``stage``. The check runs
+    when :func:`active` (an eager call); inside a compiled step or a graph capture the method runs unchecked, and
+    what it returns is never changed, so the stage keeps its ``compilable``."""
     for method, check in contract(stage.kind).items():
         bound = getattr(stage, method)
 
         @functools.wraps(bound)
         def wrapper(*args, _bound=bound, _check=check, **kwargs):
             out = _bound(*args, **kwargs)
-            _check(stage, out, *args, **kwargs)
+            if active():
+                _check(stage, out, *args, **kwargs)
             return out
 
         setattr(stage, method, wrapper)
-    stage.compilable = False
+    setattr(stage, MARK, True)
     return stage

@@ -20,7 +20,8 @@ A file is imported once per process under its stem as module name, so a second `
 second command in one process) reuses it.
 
 Stages from outside the package have their outputs checked against their kind's contract by default
-(:mod:`polestar.contracts`), and :func:`plugin_sources` fingerprints the source file of every plugin module and of
+(:mod:`polestar.contracts`; a compiled decode checks the first step of each step phase, run eagerly, and compiles
+the rest), and :func:`plugin_sources` fingerprints the source file of every plugin module and of
 every stage or policy registered from outside the package: ``polestar bench`` records them in its manifest and in
 the items log's header, so ``--resume`` refuses to mix items decoded by an edited plugin with new ones.
 """

@@ -90,7 +90,8 @@ def assemble(policy: str, overrides: Overrides | Mapping[str, Any] | None = None
     elsewhere (``polestar bench`` passes ``--set`` this way, so one setting can apply to several policies). A swap
     of a composed kind (drift, cluster, quant, offload) that no stage of the policy reads is an error naming the
     stages that would read it. Stages from outside the package (plugins, entry points, your own classes) have
-    every output checked against their kind's contract (:mod:`polestar.contracts`; the step then runs eagerly);
+    every output checked against their kind's contract (:mod:`polestar.contracts`; with ``compile=True`` on the
+    first step of each step phase, which runs eagerly, and the rest of the decode compiles unchecked);
     ``check_stages=True`` (or the environment variable ``POLESTAR_CHECK_STAGES=1``) checks the built-in stages
     too, ``check_stages=False`` (``=0``) none.
     """

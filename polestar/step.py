@@ -48,6 +48,7 @@ from polestar.models.backbone import AttentionProbe, DiffusionLM
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.plan import DecodeCache, Plan
 
+from . import compile_off, contracts
 from .config import GenerationConfig
 from .device_support import fp8_compile_blocker
 from .policy import Pipeline
@@ -334,6 +335,20 @@ def pipeline_compilable(pipeline: Pipeline) -> bool:
     return all(getattr(stage, "compilable", True) for stage in pipeline.stages.values())
 
 
+def pipeline_checked(pipeline: Pipeline) -> bool:
+    """Whether a stage of ``pipeline`` has its outputs checked against its kind's contract
+    (:func:`polestar.contracts.checked`)."""
+    return any(contracts.is_checked(stage) for stage in pipeline.stages.values())
+
+
+#: what dynamo raises when it cannot trace code (a graph break under ``fullgraph=True``, a branch on a tensor's value,
+#: a break inside a nested compile region)
+_TRACE_REFUSALS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                   torch._dynamo.exc.UncapturedHigherOrderOpError)
+
+#: compiled steps that torch.compile refused to trace (a plugin's; see :meth:`StepRunner._run_compiled`)
+_REFUSED: weakref.WeakSet = weakref.WeakSet()
+
 #: compiled steps per model: ``{model: {(composition, backend, cuda_graphs): fn}}``
 _COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _STEP_COUNT = itertools.count()
@@ -391,10 +406,21 @@ class StepRunner:
     :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA), in which each layer's model work is a nested compile region
     compiled once for every layer (:mod:`polestar.models.layer_regions`); a string names another
     ``torch.compile`` backend (``"eager"`` checks that the step is captured whole without generating code, as the
-    tests do; a callable backend such as :class:`polestar.graph_rules.GraphProbe` is used as given) unless a stage
-    of the pipeline is not compilable (:func:`pipeline_compilable`; then every step runs eagerly and is counted so).
-    Graphs are one per :class:`~polestar.state.StepPhase` a policy meets (a block start, a window refresh, a
-    sparse-update step, a plain step, the last block's), not one per block or step.
+    tests do; a callable backend such as :class:`polestar.graph_rules.GraphProbe` is used as given). Graphs are one
+    per :class:`~polestar.state.StepPhase` a policy meets (a block start, a window refresh, a sparse-update step, a
+    plain step, the last block's), not one per block or step.
+
+    ``compile="layers"`` (what ``compile=True`` means on torch < 2.12, :func:`compile_mode`): each layer region is
+    compiled on its own (:func:`polestar.models.layer_regions.compiled`) and the rest of the step runs eagerly,
+    replayed as one CUDA graph per phase on CUDA (:class:`~polestar.step_graphs.StepGraphs`); every step counts as
+    compiled, and every stage runs (and is checked) in the eager part.
+
+    Where a whole-step compile is asked for, three things run steps eagerly. A pipeline with a checked stage
+    (:func:`pipeline_checked`, a plugin's by default) runs the first step of each phase eagerly, where the stage's
+    contract checks read its outputs, and compiles the rest (a compiled step runs the stage unchecked). A stage that
+    declares ``compilable = False`` (:func:`pipeline_compilable`) turns compile off for every step; a pipeline with
+    a stage from outside the package that ``torch.compile`` cannot trace runs its remaining steps eagerly. Either
+    fallback logs one line saying why (:mod:`polestar.compile_off`).
 
     ``static_addresses``: mark every persistent buffer of a generation as a static address before its first step
     (:meth:`mark_static`); default: on CUDA, where CUDA graphs need it (tests turn it on elsewhere to apply the
@@ -405,14 +431,18 @@ class StepRunner:
                  static_addresses: bool | None = None, graphs=None):
         self.device = torch.device(device)
         compile = compile_mode(compile)
-        compilable = pipeline_compilable(pipeline)
-        #: ``compile="layers"``: each layer region compiled on its own, the step's glue eager (graphs on CUDA)
-        self.regions = layer_regions.compiled(options=_region_options(self.device)) \
-            if compile == LAYERS and compilable else None
-        self.compile = bool(compile) and compilable and self.regions is None
+        #: ``compile="layers"``: each layer region compiled on its own, the step's glue eager (graphs on CUDA); a
+        #: stage that cannot be compiled runs in the eager glue
+        self.regions = layer_regions.compiled(options=_region_options(self.device)) if compile == LAYERS else None
+        blocker = compile_off.declared(pipeline) if compile and self.regions is None else None
+        if blocker is not None:
+            compile_off.report(blocker)
+        self.compile = bool(compile) and blocker is None and self.regions is None
         self.eager_steps = 0
         self.compiled_steps = 0
-        self.graphs = None if self.compile or not compilable else _step_graphs(graphs, self.device)
+        #: step phases whose checked first step ran (None: no checked stage, or no compile)
+        self.checked_phases: set | None = set() if self.compile and pipeline_checked(pipeline) else None
+        self.graphs = None if self.compile or not pipeline_compilable(pipeline) else _step_graphs(graphs, self.device)
         self._compiled = None
         self._binding = None
         self._active = False
@@ -438,13 +468,49 @@ class StepRunner:
             if getattr(t, "_dynamo_static_input_type", None) is None:
                 torch._dynamo.mark_static_address(t, guard=False)
 
-    def _bound(self, gen: Generation) -> StepOutput:
-        """Run the compiled step bound to ``gen``'s model and pipeline (:func:`compiled_step`; looked up once per
-        model and pipeline object)."""
+    def _bound(self, gen: Generation) -> Callable:
+        """The compiled step bound to ``gen``'s model and pipeline (:func:`compiled_step`; looked up once per model
+        and pipeline object)."""
         if self._binding is None or self._binding[0] is not gen.model or self._binding[1] is not gen.pipeline:
             fn = compiled_step(gen.model, gen.pipeline, self.backend, self.cuda_graphs)
             self._binding = (gen.model, gen.pipeline, fn)
-        return self._binding[2](gen)
+        return self._binding[2]
+
+    def _checks_first(self, phase: StepPhase) -> bool:
+        """Whether this step runs eagerly so that the checked stages see its outputs: the first of its phase."""
+        if self.checked_phases is None or phase in self.checked_phases:
+            return False
+        self.checked_phases.add(phase)
+        return True
+
+    def _eager(self, gen: Generation) -> StepOutput:
+        self.eager_steps += 1
+        return decode_step(gen)
+
+    def _run_compiled(self, gen: Generation) -> StepOutput | None:
+        """The compiled step, or None when ``torch.compile`` cannot trace it for a stage from outside the package
+        (:func:`compile_off.refused`): then compile is off for this runner from here on, one line says why, and
+        later runners of that binding do not try again (:data:`_REFUSED`). Dynamo stops while tracing, before the
+        step ran, so the step can run eagerly instead."""
+        fn = self._compiled(gen)
+        if fn in _REFUSED:
+            return self._compile_off()
+        try:
+            if self._active:  # inside a generation's `running()`: the settings are in place
+                return fn(gen)
+            with self.running():
+                return fn(gen)
+        except _TRACE_REFUSALS as err:
+            reason = compile_off.refused(gen.pipeline, err)
+            if reason is None:
+                raise
+            compile_off.report(reason)
+            _REFUSED.add(fn)
+            return self._compile_off()
+
+    def _compile_off(self) -> None:
+        self._compiled = None
+        self.compile = False
 
     @contextlib.contextmanager
     def running(self):
@@ -472,15 +538,16 @@ class StepRunner:
         if self._compiled is None:
             if self.graphs is not None and gen.state.detail is None:  # an observer's step runs eagerly
                 return self.graphs(gen)
-            self.eager_steps += 1
-            return decode_step(gen)
-        self.compiled_steps += 1
+            return self._eager(gen)
+        if self._checks_first(phase):  # a checked stage's outputs are read in this step: it runs eagerly
+            return self._eager(gen)
         if self.cuda_graphs:  # nothing a previous replay returned is read any more: its outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        if self._active:  # inside a generation's `running()`: the settings are in place
-            return self._compiled(gen)
-        with self.running():
-            return self._compiled(gen)
+        out = self._run_compiled(gen)
+        if out is None:  # torch.compile refused a plugin's step
+            return self._eager(gen)
+        self.compiled_steps += 1
+        return out
 
 
 #: ``compile="layers"``: every layer region compiled on its own (:func:`polestar.models.layer_regions.compiled`), the

@@ -9,7 +9,9 @@ replayed on the same buffers: what SGLang's graph runner does for its eager forw
 * the first step of a phase runs eagerly (on CUDA this is also the warm-up a capture needs: lazy initialisation,
   allocator pools);
 * the second step of that phase is captured (:class:`CudaGraph`: ``torch.cuda.CUDAGraph`` on the generation's
-  device; capturing runs nothing) and replayed; every later step of the phase is one replay;
+  device; capturing runs nothing) and replayed; every later step of the phase is one replay. The contract checks
+  of checked stages (:mod:`polestar.contracts`, host reads) run in the eager first step and are suspended while
+  capturing;
 * what the step returns is the captured graph's output: the "work left" flags are a tensor the replay rewrites,
   and the cost counters are plain ints, the same for every step of the phase.
 
@@ -31,6 +33,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .contracts import suspended
 
 #: what a step returns (:class:`~polestar.step.StepOutput`)
 Out = TypeVar("Out")
@@ -154,7 +158,8 @@ class StepGraphs:
             self.eager += 1
             return self._step(gen)
         graph = self._make(gen)
-        out = graph.capture(lambda: self._step(gen))
+        with suspended():  # a checked stage was checked in the phase's first step; a capture reads nothing back
+            out = graph.capture(lambda: self._step(gen))
         self._graphs[key] = (gen, graph, out)
         self.captured += 1
         graph.replay()

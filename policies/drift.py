@@ -33,8 +33,8 @@ class DriftMetric(Stage):
 
 
 def check_drift(stage, out, cur: torch.Tensor, prev: torch.Tensor) -> None:
-    """``score(cur, prev)``: ``[B, R]`` floating, finite, ≥ 0. Its tests read the device: a checked stage is not
-    compilable, so the step that runs it runs eagerly (:func:`polestar.contracts.checked`); built-in stages are
+    """``score(cur, prev)``: ``[B, R]`` floating, finite, ≥ 0. Its tests read the device, so they run on eager
+    calls only (a compiled step runs the stage unchecked, :func:`polestar.contracts.checked`); built-in stages are
     checked only when asked."""
     expect_tensor(stage, "score", out, (cur.shape[0], cur.shape[2]), "a floating [B, R] tensor")
     if not out.is_floating_point():
