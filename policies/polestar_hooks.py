@@ -27,13 +27,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
 from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
 from polestar.models.plan import DecodeCache
 from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
-
-from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
 
 from .sparse_update import MemberStrategy, Packet, Selection
 
