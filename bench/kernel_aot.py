@@ -237,8 +237,8 @@ class StepRun:
 
 def _runs(model: str, batch: int, lengths: Sequence[tuple[int, int]], drifts: Sequence[str]) -> list[StepRun]:
     """At each ``(prompt, gen)`` length the kl drift with NVFP4 row stores; at the first one also each drift of
-    ``drifts`` without. Each layer is clustered inside its pass (``cluster_layers_together=False``, the default on a
-    GPU)."""
+    ``drifts`` without. Each layer is clustered inside its pass (``cluster_layers_together=False``: the k-means
+    kernels' launches of the default route, all layers in one call, differ only in their grid)."""
     gpu = (("cluster_layers_together", False),)
     runs = [StepRun(model, batch, p, g, options=(("quant", "nvfp4"), ("drift", "kl"), *gpu)) for p, g in lengths]
     p0, g0 = lengths[0]

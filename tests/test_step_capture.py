@@ -122,8 +122,8 @@ def _check_against_eager(model, policy: str, batch: int, overrides=None, observe
 # attached in tests/test_step_capture_batch3.py (under ``--dist loadfile`` a file runs on one worker, and the two
 # halves of the capture work take a minute each)
 CASES = [("llada", p, 1, {}) for p in policy_names()] + [("dream", p, 3, {}) for p in _one_policy_per_stage()]
-# Polestar's block start clusters every layer in one call after the forward on a CPU (the default there); the route
-# a GPU takes by default, each layer clustered inside its pass, is captured too
+# Polestar's block start clusters every layer in one call after the forward (the default); the other route, each
+# layer clustered inside its pass, is captured too
 CASES += [("llada", "polestar", 3, {"cluster_layers_together": False})]
 
 
