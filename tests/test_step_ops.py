@@ -7,7 +7,7 @@ from polestar.bench.step_ops import step_ops
 
 #: ceilings of ops per step at 32 layers, tiny width (measured values rounded up by ~3 %): a change that adds
 #: per-layer operations to a policy's step fails here and says by how much
-CEILINGS = {"fast-dllm": 672, "polestar": 1000, "elastic-cache": 1700, "dllm-cache": 1295}
+CEILINGS = {"fast-dllm": 672, "polestar": 1000, "elastic-cache": 1700, "dllm-cache": 1135}
 
 
 def test_the_dual_cache_step_issues_at_most_25_operations_per_layer():
