@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import layer_regions
 from .cost import CostMeter
 from .layers import Rotary
 from .spec import ModelSpec
@@ -65,7 +66,9 @@ class LayerOps:
         meter.weight(parts.attn_norm.weight)
         meter.linear(linear)
         meter.rows(probe_rows=B * X)
-        return linear(parts.attn_norm(h)).view(B, X, n_heads, self.spec.head_dim).transpose(1, 2)
+        norm = parts.attn_norm
+        out = layer_regions.active().project_rows(h, norm.weight, norm.bias, linear.weight, linear.bias, norm.eps)
+        return out.view(B, X, n_heads, self.spec.head_dim).transpose(1, 2)
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
                         meter: CostMeter | None = None, key_rope: tuple | None = None) -> torch.Tensor:

@@ -89,6 +89,11 @@ def attend_out(q, keys, values, key_valid, o, o_bias):
     return F.linear(_attend(q, keys, values, key_valid), o, o_bias)
 
 
+def project_rows(rows, norm, norm_bias, weight, bias, eps: float):
+    """The attention norm of ``rows [B, X, d]`` and one projection (a hook's own q or v pass) → ``[B, X, out]``."""
+    return F.linear(rms_norm(rows, norm, norm_bias, eps), weight, bias)
+
+
 def mlp_branch(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float):
     """The MLP branch of ``hid [B, X, d]`` (norm, fused gate/up, SwiGLU, down), its residual not added."""
     return _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
@@ -103,10 +108,11 @@ class Regions(NamedTuple):
     attend_mlp: Callable
     attend_out: Callable
     mlp_branch: Callable
+    project_rows: Callable
 
 
 #: the plain functions (eager steps)
-PLAIN = Regions(qkv_rows, attend_mlp, attend_out, mlp_branch)
+PLAIN = Regions(qkv_rows, attend_mlp, attend_out, mlp_branch, project_rows)
 #: each a nested compile region: a whole-step ``torch.compile`` compiles each once and calls it at every layer
 NESTED = Regions(*(region(fn) for fn in PLAIN))
 _ACTIVE: list[Regions] = [NESTED]
