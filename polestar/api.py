@@ -211,11 +211,11 @@ def generate(
     (``refresh="prefix"``); every value is validated before any work starts. ``threshold`` is the confidence
     threshold of the threshold-based commit rules; policies without one (``baseline``) ignore it, so one call
     can sweep every policy. ``compile=True`` runs each whole step (plan, sparse update, forward, commit rule, EOS
-    bookkeeping, counters) as one ``torch.compile`` graph (CUDA graphs on CUDA; a string names another
-    ``torch.compile`` backend) on torch ≥ 2.12, and on older versions means ``compile="layers"``: each layer's
-    model work compiled once on its own, the rest of the step eager (captured whole as one CUDA graph per phase on
-    CUDA), a compile that does not grow with depth; tokens are the same as eager, and the time spent compiling is
-    reported as ``stats.compile_s`` and left out of ``stats.wall_s`` / ``stats.tps``. ``chat=True`` applies the
+    bookkeeping, counters) as one ``torch.compile`` graph on a CPU with torch ≥ 2.12 (a string names another
+    ``torch.compile`` backend for it); on CUDA and on older versions it means ``compile="layers"``: each layer's
+    model work compiled once on its own, the rest of the step eager and, on CUDA, captured whole as one CUDA graph
+    per phase, a compile that does not grow with depth. Tokens are the same as eager, and the time spent compiling
+    is reported as ``stats.compile_s`` and left out of ``stats.wall_s`` / ``stats.tps``. ``chat=True`` applies the
     checkpoint's chat template to string prompts (``system``: optional system turn). A sequence stops at EOS or at
     the chat format's end-of-turn token (``model.text_defaults.stop_ids``). ``temperature`` None takes
     ``generation_config.json``'s value, else 0. ``on_step`` receives a :class:`~polestar.state.StepRecord` after

@@ -410,7 +410,8 @@ class StepRunner:
     per :class:`~polestar.state.StepPhase` a policy meets (a block start, a window refresh, a sparse-update step, a
     plain step, the last block's), not one per block or step.
 
-    ``compile="layers"`` (what ``compile=True`` means on torch < 2.12, :func:`compile_mode`): each layer region is
+    ``compile="layers"`` (what ``compile=True`` means on CUDA and on torch < 2.12, :func:`compile_mode`): each
+    layer region is
     compiled on its own (:func:`polestar.models.layer_regions.compiled`) and the rest of the step runs eagerly,
     replayed as one CUDA graph per phase on CUDA (:class:`~polestar.step_graphs.StepGraphs`); every step counts as
     compiled, and every stage runs (and is checked) in the eager part.
@@ -430,7 +431,7 @@ class StepRunner:
     def __init__(self, compile: bool | str | Callable, device: torch.device, pipeline: Pipeline,
                  static_addresses: bool | None = None, graphs=None):
         self.device = torch.device(device)
-        compile = compile_mode(compile)
+        compile = compile_mode(compile, self.device)
         #: ``compile="layers"``: each layer region compiled on its own, the step's glue eager (graphs on CUDA); a
         #: stage that cannot be compiled runs in the eager glue
         self.regions = layer_regions.compiled(options=_region_options(self.device)) if compile == LAYERS else None
@@ -555,12 +556,14 @@ class StepRunner:
 LAYERS = "layers"
 
 
-def compile_mode(compile: bool | str | Callable) -> bool | str | Callable:
-    """What ``compile`` means on this torch: ``True`` is a whole-step compile where a whole-step compile reuses its
-    nested layer regions (torch ≥ 2.12, :data:`~polestar.models.layer_regions.NESTED_REGIONS_REUSED`), else
-    :data:`LAYERS` (a whole-step compile on an older torch traces every layer again, its compile grows with depth);
-    anything else is returned as given (``"layers"``, a backend name, a backend callable)."""
-    if compile is True and not layer_regions.NESTED_REGIONS_REUSED:
+def compile_mode(compile: bool | str | Callable, device: torch.device | str = "cpu") -> bool | str | Callable:
+    """What ``compile`` means on ``device`` with this torch. ``True``: :data:`LAYERS` on CUDA (the step's glue is
+    replayed inside one CUDA graph per phase, so a whole-step graph would add compile time, growing with depth,
+    for what the replay already gives) and on a torch whose whole-step compile traces every layer's region call
+    again (< 2.12, :data:`~polestar.models.layer_regions.NESTED_REGIONS_REUSED`); else a whole-step compile (on a
+    CPU nothing replays the glue: a whole-step graph runs it without Python). Anything else is returned as given
+    (``"layers"``, a backend name, a backend callable)."""
+    if compile is True and (torch.device(device).type == "cuda" or not layer_regions.NESTED_REGIONS_REUSED):
         return LAYERS
     return compile
 

@@ -112,14 +112,15 @@ def test_regions_compiled_on_their_own_compile_once_whatever_the_depth(policy):
         assert torch.equal(tokens, eager.tokens)
 
 
-def test_compile_true_means_layers_where_nested_regions_are_traced_at_every_call(monkeypatch):
+def test_compile_true_means_layers_on_cuda_and_where_nested_regions_are_traced_at_every_call(monkeypatch):
     from polestar import step
     from polestar.models import layer_regions
 
     monkeypatch.setattr(layer_regions, "NESTED_REGIONS_REUSED", False)
     assert step.compile_mode(True) == step.LAYERS
     monkeypatch.setattr(layer_regions, "NESTED_REGIONS_REUSED", True)
-    assert step.compile_mode(True) is True
+    assert step.compile_mode(True) is True and step.compile_mode(True, "cpu") is True
+    assert step.compile_mode(True, "cuda") == step.LAYERS  # the step's glue is replayed in its CUDA graph
     assert step.compile_mode("layers") == "layers" and step.compile_mode("aot_eager") == "aot_eager"
     assert step.compile_mode(False) is False
 

@@ -319,7 +319,7 @@ def _decode_row(model, args, device, policy, batch, mode, layers, prompts, kw, o
            "ms_per_step": ms, "bound_ms": bound_ms, "x_bound": ms / bound_ms if bound_ms else None,
            "tps": batch * args.gen / s.wall_s, "nfe": s.nfe, "compiled_steps": s.compiled_steps,
            "compile_s": first.stats.compile_s, "peak_gb": peak_memory(device) / 1e9,
-           "compile_mode": str(compile_mode(kw["compile"])) if compiled else None,
+           "compile_mode": str(compile_mode(kw["compile"], device)) if compiled else None,
            "graph_replays": timed.replays if graphs and cuda else None,
            "graph_recordings": timed.recordings if graphs and cuda else None,
            "cudagraph_skips": warm.skips + timed.skips if graphs and cuda else None,
