@@ -103,9 +103,10 @@ class PolestarBuildHook(LayerHook):
       the layer's q pass as query-only rows, and after the layer's K/V writes their attention over the keys
       becomes ``prev``;
     * all layers together: each layer's window inputs are kept, and once the last layer has written its K/V, one
-      clusterer call clusters every layer's window (the layers' parts stacked as groups ``[L * P * B, n]``), then
-      each layer's centroid queries take a q pass of their own (:meth:`~polestar.models.layer_ops.LayerOps.
-      project_queries`) and their attention becomes ``prev``.
+      clusterer call clusters every layer's window (the layers' parts stacked as groups ``[L * P * B, n]``; in
+      groups of layers where keeping every layer's inputs would take too much memory,
+      :meth:`PolestarRefresh.layers_per_cluster_call`), then each layer's centroid queries take a q pass of their
+      own (:meth:`~polestar.models.layer_ops.LayerOps.project_queries`) and their attention becomes ``prev``.
 
     The clusterer's random initial keys are drawn at the block start, before the step
     (:meth:`PolestarRefresh.allocate`), so the whole block start runs inside the compiled step.
@@ -123,6 +124,8 @@ class PolestarBuildHook(LayerHook):
         self.parts = self.buffers.parts
         self.rope_pos = cache.positions.index_select(1, window.positions)
         self.together = sel.clusters_together(state.x.device)
+        #: layers clustered per clusterer call when together (all of them unless that would hold too many inputs)
+        self.group = sel.layers_per_cluster_call(B, window.size, ops.spec.d_model, ops.spec.n_layers)
         self.inputs: list[torch.Tensor] = []  # each layer's window inputs [B, Nw, d], kept when clustering together
 
     def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
@@ -202,21 +205,23 @@ class PolestarBuildHook(LayerHook):
             with scope("proxy_attention"):
                 self.buffers.prev[layer].copy_(proxy_probs(self.ops, self.cache, layer, local.key_rope,
                                                            qkv.q[:, :, C:], qkv.meter))
-        elif layer == self.ops.spec.n_layers - 1:  # every layer's K/V is written: cluster them all at once
-            self._cluster_all(qkv.meter)
+        elif len(self.inputs) == self.group or layer == self.ops.spec.n_layers - 1:  # their K/V are written
+            self._cluster_kept(layer, qkv.meter)
         return None
 
-    def _cluster_all(self, meter) -> None:
-        """Cluster every layer's kept window inputs in one clusterer call, then score each layer's centroid queries
-        (a pass over the layer's q weight of their own) against its keys."""
+    def _cluster_kept(self, last: int, meter) -> None:
+        """Cluster the kept window inputs of layers ``.. last`` in one clusterer call, then score each layer's
+        centroid queries (a pass over the layer's q weight of their own) against its keys."""
         local, ops = self.local, self.ops
-        centroids, centroid_pos = self._record(0, torch.stack(self.inputs), self.buffers.keys)
+        first = last + 1 - len(self.inputs)
+        keys = None if self.buffers.keys is None else self.buffers.keys[first : last + 1]
+        centroids, centroid_pos = self._record(first, torch.stack(self.inputs), keys)
         self.inputs.clear()
-        for layer in range(ops.spec.n_layers):
+        for i, layer in enumerate(range(first, last + 1)):
             if not self.sel.refreshes_layer(layer, ops.spec.n_layers):
                 continue
-            positions = centroid_pos[layer] if self.sel.config.proxy_rope else None
-            q = ops.project_queries(layer, centroids[layer], positions, meter)
+            positions = centroid_pos[i] if self.sel.config.proxy_rope else None
+            q = ops.project_queries(layer, centroids[i], positions, meter)
             with scope("proxy_attention"):
                 self.buffers.prev[layer].copy_(proxy_probs(ops, self.cache, layer, local.key_rope, q, meter))
 

@@ -91,7 +91,8 @@ class PolestarRefresh(RefreshSelector):
     CUDA graph still pays per node), and the centroid queries take one more pass over each layer's q weight after
     the forward (counted in ``weight_bytes``; for LLaDA-8B ~8% of one step's weights, at block starts only). Each
     layer inside its pass, the centroids ride along the layer's q pass and every weight is read once per step. Both
-    give the same clusters, stores and proxy distributions up to the rounding of the q projection."""
+    give the same clusters, stores and proxy distributions up to the rounding of the q projection. Together, the
+    layers go to the clusterer in groups that bound the inputs kept meanwhile (:meth:`layers_per_cluster_call`)."""
 
     @attrs.frozen
     class Config:
@@ -181,6 +182,18 @@ class PolestarRefresh(RefreshSelector):
             L, P = model.spec.n_layers, len(cur.parts)
             n_max = cur.keys.shape[-1]
             cur.keys.copy_(init_keys(L * P, n_max, state.generator, state.x.device).view(L, P, n_max))
+
+    #: bytes of kept window inputs (with the clusterer's fp32 copies of them) one block start's clusterer call may
+    #: hold when clustering layers together: the layers are clustered in groups that fit (every layer in one call
+    #: for the shipped models and for LLaDA-8B at batch 1; one call per layer for LLaDA-8B at batch 32)
+    CLUSTER_CALL_BYTES = 256 * 2**20
+
+    def layers_per_cluster_call(self, batch: int, window: int, width: int, n_layers: int) -> int:
+        """Layers clustered per clusterer call at a block start when clustering layers together: as many as fit in
+        :data:`CLUSTER_CALL_BYTES` (each layer's ``[B, Nw, d]`` inputs, counted three times in fp32: kept, stacked,
+        padded by part), at least one, at most ``n_layers``."""
+        per_layer = max(1, batch * window * width * 4 * 3)
+        return max(1, min(n_layers, self.CLUSTER_CALL_BYTES // per_layer))
 
     def clusters_together(self, device: torch.device) -> bool:
         """Whether a block start clusters every layer in one clusterer call (see the class docstring)."""

@@ -66,8 +66,9 @@ def test_the_threshold_is_where_triton_gains_the_e4m3_type():
 
 
 def test_the_compiled_step_refuses_fp8_below_sm89_before_any_work(monkeypatch):
-    """``StepRunner`` (what ``generate(compile=True)`` builds) refuses ``quant=fp8`` on an sm_80 GPU with the
-    blocker's sentence, before anything is compiled or allocated; eager runs and other quantizers are not refused."""
+    """A whole-step inductor compile refuses ``quant=fp8`` on an sm_80 GPU with the blocker's sentence, before
+    anything is compiled or allocated; eager runs, other quantizers and ``compile=True`` (the layer regions alone on
+    CUDA) are not refused."""
     import pytest
     import torch
 
@@ -75,7 +76,9 @@ def test_the_compiled_step_refuses_fp8_below_sm89_before_any_work(monkeypatch):
     from polestar.step import StepRunner
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ValueError, match="compute capability 8.9"):
-        StepRunner(True, torch.device("cuda"), polestar.assemble("polestar", {"quant": "fp8"}))
+    with pytest.raises(ValueError, match="compute capability 8.9"):  # a whole-step inductor graph
+        StepRunner("inductor", torch.device("cuda"), polestar.assemble("polestar", {"quant": "fp8"}))
     StepRunner(False, torch.device("cuda"), polestar.assemble("polestar", {"quant": "fp8"}))
-    StepRunner(True, torch.device("cuda"), polestar.assemble("polestar", {"quant": "nvfp4"}))
+    StepRunner("inductor", torch.device("cuda"), polestar.assemble("polestar", {"quant": "nvfp4"}))
+    # compile=True on CUDA compiles the layer regions alone: the quantizer runs uncompiled, nothing to refuse
+    assert StepRunner(True, torch.device("cuda"), polestar.assemble("polestar", {"quant": "fp8"})).regions

@@ -67,6 +67,30 @@ def test_clustering_layers_together_equals_clustering_each_inside_its_pass(famil
     assert compared > 0
 
 
+def test_layers_clustered_in_groups_equal_all_layers_in_one_call(monkeypatch):
+    """Where keeping every layer's window inputs for one clusterer call would take too much memory, the layers go to
+    the clusterer in groups: each (layer, part, row) is clustered on its own either way, so nothing changes."""
+    from polestar.policies.refresh_polestar import PolestarRefresh
+
+    m = make_model("llada", seed=4, n_layers=3)
+    records = {}
+    for budget in (PolestarRefresh.CLUSTER_CALL_BYTES, 1):
+        monkeypatch.setattr(PolestarRefresh, "CLUSTER_CALL_BYTES", budget)
+        steps = []
+        out = _gen(m, "polestar", tau_upd=0, on_step=steps.append)
+        records[budget] = (out, steps)
+    (one, one_steps), (grouped, grouped_steps) = records.values()
+    assert grouped.tokens.tolist() == one.tokens.tolist()
+    assert (grouped.stats.token_layer_evals, grouped.stats.weight_bytes) == (one.stats.token_layer_evals,
+                                                                             one.stats.weight_bytes)
+    for a, b in zip(one_steps, grouped_steps):
+        for layer in a.detail.clusters:
+            assert torch.equal(a.detail.clusters[layer].drift, b.detail.clusters[layer].drift)
+    monkeypatch.undo()
+    assert PolestarRefresh(PolestarRefresh.Config()).layers_per_cluster_call(32, 96, 4096, 32) == 1  # 8B, batch 32
+    assert PolestarRefresh(PolestarRefresh.Config()).layers_per_cluster_call(1, 96, 4096, 32) == 32  # 8B, batch 1
+
+
 # Elastic-Cache at gamma 1 recomputes from cached inputs, so it is not no-cache decoding
 @pytest.mark.parametrize("policy,kw", [("dllm-cache", dict(ratio=1.0, prompt_interval=1, commit="threshold"))])
 def test_adaptive_baselines_refreshing_everything_equal_no_cache(family, policy, kw):
