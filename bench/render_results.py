@@ -41,14 +41,15 @@ as stated in `docs/log.md`):
 bash bench/run_results.sh {n}        # Table 1, the eight model / task tables, threshold 0.5, commit anatomy: ~30 min
 bash bench/run_agreement.sh {n}      # lossy stages, token agreement (clean and noisy checkpoints): ~12 min
 bash bench/run_sweep.sh {n}          # Polestar-Cache recompute budget: ~15 min
-bash bench/run_frontier.sh {n}       # calibrated checkpoints, frontier and commit anatomy: ~1.5 h (estimated)
+bash bench/run_frontier.sh {n}       # calibrated checkpoints, frontier, anatomy: ~1 h (one cell measured, 11 min)
 bash bench/run_side_by_side.sh 100   # the policy side of the two side-by-side tables: ~5 min
 python bench/render_results.py --raw runs/results   # summaries, plots, this page: ~10 s
 ```
 
 The first four take the variables `MODELS` and `TASKS` to run part of a table set (e.g. `MODELS=tiny-llada
-TASKS=sudoku bash bench/run_results.sh {n}`, about 5 min). `tests/test_docs_commands.py` runs every command
-of this page at n = 2. `docs/results/*.summary.json` keep each table's per-policy summary.
+TASKS=sudoku bash bench/run_results.sh {n}`, about 8 min with its threshold-0.5 and anatomy runs).
+`tests/test_docs_commands.py` runs every command of this page at n = 2. `docs/results/*.summary.json` keep each
+table's per-policy summary.
 
 Columns: accuracy with its 95% Wilson interval; TPF = generated non-EOS tokens per forward; TPS = tokens per
 second (noisy: several jobs shared the 2 cores); evals/tok = token-layer evaluations (positions computed, summed

@@ -2,8 +2,8 @@
 # The accuracy–TPF frontier: `fast-dllm` and `parallel` over a threshold sweep, the adaptive commit rules
 # (`polestar-commit`, `polestar`, `eb`, `klass`) at their defaults and `polestar` at two more α values, on the same
 # problems, and the commit anatomy of fast-dllm, polestar-commit and polestar there. Raw bench JSON goes to
-# runs/frontier/<model>-<task>/, the tables and the plot to docs/results/. About 20 min per model and task at
-# N=500 on one core of the shared 2-core machine (estimated from the other scripts' rates, not measured).
+# runs/frontier/<model>-<task>/, the tables and the plot to docs/results/. About 11 min per model and task at
+# N=500 on one core of the shared 2-core machine (tiny-llada-noisy arith measured; sudoku takes more forwards).
 # Usage: bash bench/run_frontier.sh [N]   (MODELS="tiny-llada-noisy", TASKS="arith" to run part of it)
 set -euo pipefail
 N=${1:-200}

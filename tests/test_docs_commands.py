@@ -8,12 +8,11 @@ bench/<script>.sh [N]``, ``python bench/<script>.py`` or ``python -m polestar.be
 The fast test checks the convention and parses every command, and every ``polestar`` / ``python`` command the
 bench scripts run (the scripts are run by bash with stand-ins on ``PATH`` that record their arguments), with the
 real parsers and the bench's argument checks (policies, ``--set`` options, models, tasks), so a template line or
-an option the code no longer takes fails here. The slow test runs every documented command at a tiny size in a
-scratch copy of the docs folder: ``--n`` and a script's ``N`` become 2, the scripts run one model and one task
-(their ``MODELS`` / ``TASKS`` variables) and the step-cost module the narrow model (``POLESTAR_RW_WIDTH=tiny``,
-one round per row).
-The commands a script records are replayed in this process, in order, so the whole page costs seconds, and each
-must exit 0 and print its table.
+an option the code no longer takes fails here. The run test (slow for results.md's ~45 commands, ~15 s) runs
+every documented command at a tiny size in a scratch copy of the docs folder: ``--n`` and a script's ``N``
+become 2, the scripts run one model and one task (their ``MODELS`` / ``TASKS`` variables) and the step-cost
+module the narrow model (``POLESTAR_RW_WIDTH=tiny``, one round per row). The commands a script records are
+replayed in this process, in order, so the whole page costs seconds, and each must exit 0 and print its table.
 """
 
 from __future__ import annotations
