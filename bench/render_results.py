@@ -32,10 +32,24 @@ HEADER = """## Setup
 Measured on this project's CPU machine (2 cores, shared), with the shipped checkpoints `tiny-llada` and
 `tiny-dream` (≈1M parameters, trained on 1 CPU thread in seven and six stages, 4.2 and 3.75 hours in all; see
 their model cards), greedy decoding, generation length 64 in 4 blocks of 16, `threshold` 0.9 unless stated,
-n = {n} test problems per task. Reproduce with `bash bench/run_results.sh {n}` (both models, all four tasks,
-~25 min per model on one core), `bash bench/run_agreement.sh {n}`, `bash bench/run_sweep.sh {n}`, then
-`python bench/render_results.py --raw runs/results`. Per-item results stay under `runs/` (not committed);
-`docs/results/*.summary.json` keep each table's per-policy summary.
+n = {n} test problems per task. Every table of this page comes from one of these commands (run from the
+repository root; each writes its text tables into `docs/results/` and its per-item results under the ignored
+`runs/`; the times are one process on one core of this shared machine, measured or scaled from a measured run
+as stated in `docs/log.md`):
+
+```bash
+bash bench/run_results.sh {n}        # Table 1, the eight model / task tables, threshold 0.5, commit anatomy: ~30 min
+bash bench/run_agreement.sh {n}      # lossy stages, token agreement (clean and noisy checkpoints): ~12 min
+bash bench/run_sweep.sh {n}          # Polestar-Cache recompute budget: ~15 min
+bash bench/run_frontier.sh {n}       # calibrated checkpoints, frontier, anatomy: ~1 h (one cell measured, 11 min)
+bash bench/run_side_by_side.sh 100   # the policy side of the two side-by-side tables: ~5 min
+python bench/render_results.py --raw runs/results   # summaries, plots, this page: ~10 s
+```
+
+The first four take the variables `MODELS` and `TASKS` to run part of a table set (e.g. `MODELS=tiny-llada
+TASKS=sudoku bash bench/run_results.sh {n}`, about 8 min with its threshold-0.5 and anatomy runs).
+`tests/test_docs_commands.py` runs every command of this page at n = 2. `docs/results/*.summary.json` keep each
+table's per-policy summary.
 
 Columns: accuracy with its 95% Wilson interval; TPF = generated non-EOS tokens per forward; TPS = tokens per
 second (noisy: several jobs shared the 2 cores); evals/tok = token-layer evaluations (positions computed, summed

@@ -4,7 +4,7 @@
 # Usage: bash bench/run_agreement.sh [N]   (MODELS="tiny-llada" to run one checkpoint, TASKS="arith")
 set -euo pipefail
 N=${1:-200}
-OUT=docs/results          # the comparison tables (committed)
+OUT=${OUT:-docs/results}  # the comparison tables (committed)
 RAW=${RAW:-runs/agree}    # the two runs' JSON (large; not committed)
 mkdir -p "$OUT" "$RAW"
 for model in ${MODELS:-tiny-llada tiny-dream tiny-llada-noisy tiny-dream-noisy}; do

@@ -7,7 +7,7 @@
 # (docs/results/*.summary.json), redraws the plots and renders docs/results.md.
 set -euo pipefail
 N=${1:-200}
-OUT=docs/results            # text tables (committed)
+OUT=${OUT:-docs/results}  # text tables (committed)
 RAW=${RAW:-runs/results}    # per-item JSON (not committed)
 mkdir -p "$OUT" "$RAW"
 ALL=baseline,parallel,fast-dllm,elastic-cache,polestar-cache,polestar-commit,polestar

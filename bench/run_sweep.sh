@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Polestar-Cache recompute-budget sweep: `polestar-cache` under a few settings of its
 # refresh selector beside `fast-dllm`, `elastic-cache` and `parallel` (no cache), as one table per model and task
-# (`python bench/sweep_table.py`). About 5 min per model and task at N=500 on one core.
+# (`python bench/sweep_table.py`). About 4 min per model and task at N=500 on one core (15 min for the four).
 # Usage: bash bench/run_sweep.sh [N]   (MODELS="tiny-llada", TASKS="sudoku" to run part of it)
 set -euo pipefail
 N=${1:-200}
-OUT=docs/results          # the tables (committed)
+OUT=${OUT:-docs/results}  # the tables (committed)
 RAW=${RAW:-runs/sweep}
 mkdir -p "$OUT" "$RAW"
 # label and --set options of each polestar-cache run (label "default": the paper's values)
