@@ -202,6 +202,11 @@ def si(value: float) -> str:
     return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
 
 
+def text_table(title: str, head: str, rows) -> str:
+    """A bench text table: ``title``, the column ``head``, a rule as wide as it, then one line per row."""
+    return "\n".join([title, head, "-" * len(head), *rows])
+
+
 def format_table(summary: dict[str, dict], title: str) -> str:
     """The ``polestar bench`` table: accuracy, 95% interval, TPF, TPS, evaluations per token and NFE per policy,
     then the step-cost columns (:data:`COST_COLUMNS`, bytes with SI prefixes) when the summaries carry them."""
@@ -210,7 +215,7 @@ def format_table(summary: dict[str, dict], title: str) -> str:
     w = max([18, *(len(label) for label in labels.values())])
     head = f"{'policy':{w}s} {'accuracy':>9s} {'95% CI':>15s} {'TPF':>6s} {'TPS':>8s} {'evals/tok':>10s} {'NFE':>7s}"
     head += "".join(f" {h:>9s}" for h, _ in costs)
-    lines = [title, head, "-" * len(head)]
+    lines = []
     for name, s in summary.items():
         lo, hi = s["accuracy_ci95"]
         lines.append(
@@ -218,7 +223,7 @@ def format_table(summary: dict[str, dict], title: str) -> str:
             f"{s['tps']:8.1f} {s['token_layer_evals_per_token']:10.1f} {s['nfe']:7.1f}"
             + "".join(f" {si(s[key]):>9s}" for _, key in costs)
         )
-    return "\n".join(lines)
+    return text_table(title, head, lines)
 
 
 def pareto_plot(summary: dict[str, dict], path: str, title: str) -> None:

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from polestar.bench.harness import text_table
 from polestar.bench.run_files import result_files, run_base
 
 
@@ -36,11 +37,9 @@ def side_row(label: str, result: dict) -> dict:
 def format_side(title: str, rows: list[dict]) -> str:
     head = (f"{'setting':<22}{'accuracy':>9}{'pos/fwd':>9}{'rows/pos':>10}{'(own)':>9}{'probe/pos':>11}"
             "  options")
-    lines = [title, head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['label']:<22}{r['accuracy']:>9.2f}{r['positions_per_forward']:>9.2f}{r['rows']:>10.1f}"
-                     f"{'(' + format(r['own_rows'], '.1f') + ')':>9}{r['probe_rows']:>11.1f}  {r['options']}")
-    return "\n".join(lines)
+    return text_table(title, head, (
+        f"{r['label']:<22}{r['accuracy']:>9.2f}{r['positions_per_forward']:>9.2f}{r['rows']:>10.1f}"
+        f"{'(' + format(r['own_rows'], '.1f') + ')':>9}{r['probe_rows']:>11.1f}  {r['options']}" for r in rows))
 
 
 def main(directory: str) -> None:

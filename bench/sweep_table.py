@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from polestar.bench.harness import text_table
 from polestar.bench.run_files import result_files, run_base
 
 
@@ -43,11 +44,9 @@ def accuracy_cell(row: dict) -> str:
 
 def format_sweep(title: str, rows: list[dict]) -> str:
     head = f"{'run':<16}{'accuracy':>22}{'evals/tok':>11}{'× fast':>8}{'Δ fast':>8}{'Δ elastic':>10}  options"
-    lines = [title, head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['name']:<16}{accuracy_cell(r):>22}{r['evals']:>11.1f}{r['evals_ratio']:>8.2f}{r['vs_fast']:>+8.1f}"
-                     f"{r['vs_elastic']:>+10.1f}  {r['options']}")
-    return "\n".join(lines)
+    return text_table(title, head, (
+        f"{r['name']:<16}{accuracy_cell(r):>22}{r['evals']:>11.1f}{r['evals_ratio']:>8.2f}{r['vs_fast']:>+8.1f}"
+        f"{r['vs_elastic']:>+10.1f}  {r['options']}" for r in rows))
 
 
 def main(directory: str) -> None:
