@@ -66,7 +66,7 @@ from polestar.kernels.quant import (
 )
 from polestar.models.published import published_model
 from polestar.output_files import write_atomic
-from polestar.step import compile_mode
+from polestar.step import LAYERS, compile_mode
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 #: device-memory bound of loading, as a multiple of the weights
@@ -271,6 +271,12 @@ def time_forward(model, ids: torch.Tensor, reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def compile_arg(args) -> bool | str:
+    """What a compiled row passes as ``compile``: True for inductor (whole-step or ``"layers"`` by device, see
+    :func:`polestar.step.compile_mode`), else the backend's name."""
+    return True if args.compile_backend == "inductor" else args.compile_backend
+
+
 def decode_row(model, args, device: torch.device, policy: str, batch: int, mode: str, layers: int,
                **options) -> dict:
     """One warm-up decode (it compiles when ``compiled``; two on CUDA, as cudagraph trees record a graph on its
@@ -281,8 +287,7 @@ def decode_row(model, args, device: torch.device, policy: str, batch: int, mode:
     compiled = mode == "compiled"
     prompts = torch.randint(0, 126000, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
     kw = dict(policy=policy, gen_length=args.gen, block_length=min(32, args.gen), steps=args.gen // 2,
-              commit="topk", stop_at_eos=False, compile=(True if args.compile_backend == "inductor"
-                                                           else args.compile_backend) if compiled else False,
+              commit="topk", stop_at_eos=False, compile=compile_arg(args) if compiled else False,
               **options)
     eager_env = os.environ.pop("POLESTAR_EAGER", None)
     if mode == "eager":
@@ -465,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         # cores it does not get, and the tiny steps take ten times longer
         torch.set_num_threads(1)
         print("# cpu: 1 intra-op thread (set OMP_NUM_THREADS to choose)", flush=True)
-    fp8_blocker = fp8_compile_blocker(device)
+    # the fp8 cast is compiled only into a whole-step graph: with compile="layers" the row store runs uncompiled
+    whole_step = compile_mode(compile_arg(args), device) != LAYERS
+    fp8_blocker = fp8_compile_blocker(device) if whole_step else None
     print(f"# quant='fp8' with compile: {'refused: ' + fp8_blocker if fp8_blocker else 'allowed on this device'}",
           flush=True)
     blocker = kernel_step_blocker(device)
