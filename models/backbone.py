@@ -167,6 +167,12 @@ class DiffusionLM(nn.Module):
                        for layer in range(self.spec.n_layers)]
         self._weights = [self._layer_weights(layer) for layer in range(self.spec.n_layers)]
 
+    def step_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the model a decoding step may read: parameters, buffers and the fused projections (as
+        the layers take them now; see :class:`polestar.phase_table.PhaseTable`)."""
+        fused = [t for f in self._fused for t in f if t is not None]
+        return [*self.parameters(), *self.buffers(), *fused]
+
     def ensure_fused(self) -> None:
         """Re-fuse the projections (:meth:`fuse_projections`) if any parameter no longer lies in its fused tensor
         (a parameter assigned by hand, ``load_state_dict(assign=True)``). Host-side; the engine calls it before

@@ -65,7 +65,7 @@ def decode(
         with runner.running():
             while block is not None:
                 begin_block(gen, block, global_step)
-                runner.mark_static(gen)  # a block may allocate buffers (a new window size): marked before use
+                runner.begin_block(gen)  # a block may allocate buffers (a new window size): marked before use
                 work, global_step = _run_block(gen, runner, block, global_step, meter, on_step)
                 block = _next_block(work, block)
         if model.device.type == "cuda":

@@ -21,6 +21,9 @@ What a CUDA graph needs, by construction:
   a window refresh, a sparse-update step, a plain step, the last block's narrower window): one graph per phase.
   Block and step positions are device scalars (:class:`~polestar.state.StepClock`), and slices at them are index
   operations.
+* **After its first step, a phase is called by key**: the whole-step compile records the graph dynamo called and
+  the tensors it passed, and later steps of that phase call it directly (:mod:`polestar.phase_table`), so a step
+  is selected by its phase, not by evaluating guards over the generation object.
 * **The step returns only what the loop reads**: the "work left" flags (the loop's one host read) and the step's
   cost in plain ints; while an observer records, also a :class:`StepView` that the loop copies before the next step.
 
@@ -51,6 +54,7 @@ from polestar.models.plan import DecodeCache, Plan
 from . import compile_off, contracts
 from .config import GenerationConfig
 from .device_support import fp8_compile_blocker
+from .phase_table import PhaseTable, RecordingBackend, bind_phase, recording
 from .policy import Pipeline
 from .profiling import scope
 from .state import (
@@ -170,6 +174,8 @@ class Generation:
     totals: Totals
     stops: torch.Tensor
     pool_key: tuple | None = None
+    #: the compiled steps of its phases, called by key after each phase's first (:mod:`polestar.phase_table`)
+    phases: PhaseTable = attrs.field(factory=PhaseTable)
 
     def draw(self) -> None:
         """Draw this step's random numbers from the generation's generator into the state's random buffers
@@ -372,11 +378,21 @@ def compiled_step(model: DiffusionLM, pipeline: Pipeline, backend: str | Callabl
         code = decode_step.__code__.replace(co_name=f"decode_step_{next(_STEP_COUNT)}")
         step = types.FunctionType(code, decode_step.__globals__, code.co_name, decode_step.__defaults__,
                                   decode_step.__closure__)
-        options: dict = {"guard_filter_fn": step_guards}
-        if backend == "inductor":
-            options.update({"triton.cudagraphs": True} if cuda_graphs else _INDUCTOR_OPTIONS)
-        fn = per_model[key] = torch.compile(step, fullgraph=True, backend=backend, options=options)
+        fn = per_model[key] = torch.compile(step, fullgraph=True, backend=_recording_backend(backend, cuda_graphs),
+                                            options={"guard_filter_fn": step_guards})
     return fn
+
+
+def _recording_backend(backend: str | Callable, cuda_graphs: bool) -> RecordingBackend:
+    """``backend`` (a name, or a backend callable used as given) wrapped so that the first step of each phase records
+    its graph for the phase table (:mod:`polestar.phase_table`). ``"inductor"`` with the step's options: CUDA graphs
+    (``triton.cudagraphs``) or :data:`_INDUCTOR_OPTIONS`."""
+    if backend == "inductor":
+        options = {"triton.cudagraphs": True} if cuda_graphs else _INDUCTOR_OPTIONS
+        return RecordingBackend(torch._TorchCompileInductorWrapper(None, options, None))
+    if isinstance(backend, str):
+        return RecordingBackend(torch._dynamo.lookup_backend(backend), name=backend)
+    return RecordingBackend(backend)
 
 
 #: inductor options of the compiled CPU step: without the checks of every extern kernel's output sizes, strides and
@@ -423,6 +439,10 @@ class StepRunner:
     a stage from outside the package that ``torch.compile`` cannot trace runs its remaining steps eagerly. Either
     fallback logs one line saying why (:mod:`polestar.compile_off`).
 
+    After the first compiled step of each phase, a whole-step compile calls that phase's graph directly on the
+    tensors dynamo passed it (:mod:`polestar.phase_table`): the step is picked by its phase key, with no dynamo
+    frame and no guard evaluation (``keyed_steps`` counts them; a step an observer records goes through dynamo).
+
     ``static_addresses``: mark every persistent buffer of a generation as a static address before its first step
     (:meth:`mark_static`); default: on CUDA, where CUDA graphs need it (tests turn it on elsewhere to apply the
     CUDA rules on a CPU). ``eager_steps`` / ``compiled_steps``: how many steps ran each way.
@@ -441,6 +461,8 @@ class StepRunner:
         self.compile = bool(compile) and blocker is None and self.regions is None
         self.eager_steps = 0
         self.compiled_steps = 0
+        #: compiled steps that called their phase's recorded graph directly (:mod:`polestar.phase_table`)
+        self.keyed_steps = 0
         #: step phases whose checked first step ran (None: no checked stage, or no compile)
         self.checked_phases: set | None = set() if self.compile and pipeline_checked(pipeline) else None
         self.graphs = None if self.compile or not pipeline_compilable(pipeline) else _step_graphs(graphs, self.device)
@@ -457,6 +479,14 @@ class StepRunner:
                 if blocker is not None:
                     raise ValueError(blocker)
             self._compiled = self._bound
+
+    def begin_block(self, gen: Generation) -> None:
+        """Host-side preparation before a block's first step (a block start may allocate buffers, e.g. a new window
+        size): mark the buffers static (:meth:`mark_static`) and drop the phase-table entries that read a tensor the
+        generation or the model no longer holds (:meth:`polestar.phase_table.PhaseTable.keep_valid`)."""
+        self.mark_static(gen)
+        if self.compile and gen.phases.entries:
+            gen.phases.keep_valid([*persistent_tensors(gen), *gen.model.step_tensors()])
 
     def mark_static(self, gen: Generation) -> None:
         """Pin the addresses of every persistent buffer of ``gen`` (:func:`persistent_tensors`) for CUDA graphs:
@@ -544,9 +574,19 @@ class StepRunner:
             return self._eager(gen)
         if self.cuda_graphs:  # nothing a previous replay returned is read any more: its outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        out = self._run_compiled(gen)
+        key = (self._compiled(gen), phase)
+        bound = gen.phases.get(key) if gen.state.detail is None else None
+        if bound is not None:  # the phase's graph, called on the recorded buffers: no dynamo frame, no guards
+            self.compiled_steps += 1
+            self.keyed_steps += 1
+            return StepOutput(bound(), bound.cost)
+        record = gen.state.detail is None and gen.phases.wants(key)
+        with recording() if record else contextlib.nullcontext() as calls:
+            out = self._run_compiled(gen)
         if out is None:  # torch.compile refused a plugin's step
             return self._eager(gen)
+        if record:
+            gen.phases.record(key, bind_phase(calls, out.work, out.cost))
         self.compiled_steps += 1
         return out
 

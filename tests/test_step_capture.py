@@ -107,6 +107,8 @@ def _check_against_eager(model, policy: str, batch: int, overrides=None, observe
     assert observers[2][1]() == observers[0][1]()
     assert len(probe.graphs) == graphs  # a second generation of the same shape compiles nothing
     assert runner.eager_steps == 0 and runner.compiled_steps == stats.nfe == probe.calls // 2 > 0
+    if observer is None:  # the generation's phases were recorded by the first run: every step is called by key
+        assert runner.keyed_steps == stats.nfe
     assert stats.compiled_steps == stats.nfe and eager_stats.compiled_steps == 0
     assert len(reads) == stats.nfe + 2, reads
     assert tokens.tolist() == eager_tokens.tolist()
