@@ -16,7 +16,7 @@ from torch import nn
 from polestar.kernels.proxy_attention import proxy_attention
 
 from . import layer_regions
-from .cost import CostMeter
+from .cost import CostMeter, LayerBytes
 from .hooks import LayerHook
 from .layer_regions import LayerWeights
 from .layers import RopeTable, Rotary
@@ -155,6 +155,7 @@ class DiffusionLM(nn.Module):
         self.rotary = Rotary(spec.head_dim, spec.rope_theta)
         self._fused: list[FusedProjections] = []
         self._weights: list[LayerWeights] = []
+        self._layer_bytes: list[LayerBytes] = []
 
     # -- fused projections --------------------------------------------------------------------------------
     def fuse_projections(self) -> None:
@@ -165,7 +166,18 @@ class DiffusionLM(nn.Module):
         layer's projections are held twice at a time (while they are copied into their fused tensor)."""
         self._fused = [FusedProjections(*map(_fused_view, _fused_groups(self.layer_parts(layer))))
                        for layer in range(self.spec.n_layers)]
-        self._weights = [self._layer_weights(layer) for layer in range(self.spec.n_layers)]
+        self._list_weights()
+
+    def _list_weights(self) -> None:
+        """The layers' tensors as the layer regions take them, and their byte counts (:class:`LayerBytes`)."""
+        layers = range(self.spec.n_layers)
+        self._weights = [self._layer_weights(layer) for layer in layers]
+        self._layer_bytes = [LayerBytes.of(*self.layer_parts(layer)) for layer in layers]
+
+    def layer_bytes(self, layer: int) -> LayerBytes:
+        """Layer ``layer``'s weight bytes per part (:class:`~polestar.models.cost.LayerBytes`; listed on the host
+        with the weights)."""
+        return self._layer_bytes[layer]
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the model a decoding step may read: parameters, buffers and the fused projections (as
@@ -184,7 +196,7 @@ class DiffusionLM(nn.Module):
         ):
             self.fuse_projections()
         else:  # a norm, o or down parameter replaced by hand is a new object: list the current ones
-            self._weights = [self._layer_weights(layer) for layer in layers]
+            self._list_weights()
 
     def _layer_weights(self, layer: int, fused: FusedProjections | None = None) -> LayerWeights:
         p, f = self.layer_parts(layer), self._fused[layer] if fused is None else fused
@@ -194,6 +206,8 @@ class DiffusionLM(nn.Module):
     def layer_weights(self, layer: int) -> LayerWeights:
         """Layer ``layer``'s tensors as the layer regions take them (:mod:`polestar.models.layer_regions`), with its
         :meth:`projections`."""
+        if not torch.is_grad_enabled():  # decoding: the stored ones
+            return self._weights[layer]
         fused = self.projections(layer)
         return self._weights[layer] if fused is self._fused[layer] else self._layer_weights(layer, fused)
 
@@ -347,23 +361,17 @@ class DiffusionLM(nn.Module):
         (:meth:`projections`) and one rotation of the q and k heads together (``rope``: the rows' :class:`RopeTable`),
         in one compile region (:func:`~polestar.models.layer_regions.qkv_rows`) → ``q [B, H, X, hd]``,
         ``k, v [B, Hkv, X, hd]`` (views). Counted on ``meter`` as the norm's and each projection's weights."""
-        spec, parts, w = self.spec, self.layer_parts(layer), self.layer_weights(layer)
+        spec, w = self.spec, self.layer_weights(layer)
         H = spec.n_heads
         qk, qkv = layer_regions.active().qkv_rows(rows, w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, rope.cos,
                                                   rope.sin, spec.norm_eps, H, spec.n_kv_heads)
         v = qkv[:, :, H + spec.n_kv_heads :]
-        meter.weight(parts.attn_norm.weight)
-        for proj in (parts.q, parts.k, parts.v):
-            meter.linear(proj)
+        meter.read(self._layer_bytes[layer].qkv_pass)
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
     def _count_out_mlp(self, layer: int, meter: CostMeter) -> None:
         """Count one pass over layer ``layer``'s o, MLP norm, gate, up and down weights."""
-        parts = self.layer_parts(layer)
-        meter.linear(parts.o)
-        meter.weight(parts.mlp_norm.weight)
-        for proj in (parts.gate, parts.up, parts.down):
-            meter.linear(proj)
+        meter.read(self._layer_bytes[layer].out_mlp_pass)
 
     def layer_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, probe_rows, hook: LayerHook | None,
                    meter: CostMeter):

@@ -35,6 +35,38 @@ def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _linear_bytes(module: nn.Linear) -> int:
+    return _bytes(module.weight) + _bytes(module.bias)
+
+
+class LayerBytes(NamedTuple):
+    """Bytes of one layer's weights as a pass reads them, computed once per model on the host
+    (:meth:`of`): each projection's weight and bias, each norm's scale; ``qkv_pass`` (attention norm, q, k, v) and
+    ``out_mlp_pass`` (o, MLP norm, gate, up, down) are the two parts of a layer's pass. A traced step adds these ints
+    instead of deriving them from the tensors at every layer (what dynamo would otherwise trace once per layer)."""
+
+    attn_norm: int
+    q: int
+    k: int
+    v: int
+    o: int
+    mlp_norm: int
+    gate: int
+    up: int
+    down: int
+    qkv_pass: int
+    out_mlp_pass: int
+
+    @classmethod
+    def of(cls, attn_norm: nn.Module, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, mlp_norm: nn.Module,
+           gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> LayerBytes:
+        """From a layer's modules (norms count their scale only, projections weight and bias)."""
+        an, mn = _bytes(attn_norm.weight), _bytes(mlp_norm.weight)
+        qb, kb, vb, ob = (_linear_bytes(m) for m in (q, k, v, o))
+        gb, ub, db = (_linear_bytes(m) for m in (gate, up, down))
+        return cls(an, qb, kb, vb, ob, mn, gb, ub, db, an + qb + kb + vb, ob + mn + gb + ub + db)
+
+
 class CostMeter:
     """Accumulates a :class:`StepCost` while a forward pass runs (one meter per pass)."""
 
@@ -46,7 +78,11 @@ class CostMeter:
 
     def linear(self, module: nn.Linear) -> None:
         """One call of ``module`` (any number of rows): its weight and bias are read once."""
-        self.weight_bytes += _bytes(module.weight) + _bytes(module.bias)
+        self.weight_bytes += _linear_bytes(module)
+
+    def read(self, weight_bytes: int) -> None:
+        """One pass over weights of ``weight_bytes`` bytes (a layer's part, from its :class:`LayerBytes`)."""
+        self.weight_bytes += weight_bytes
 
     def weight(self, weight: torch.Tensor) -> None:
         """One pass over a raw weight (a norm's scale, a tied LM head)."""
@@ -58,7 +94,9 @@ class CostMeter:
 
     def attention(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
         """An attention read of the cached ``keys`` (and ``values``, None for probabilities only)."""
-        self.kv_bytes += _bytes(keys) + _bytes(values)
+        self.kv_bytes += keys.numel() * keys.element_size()
+        if values is not None:
+            self.kv_bytes += values.numel() * values.element_size()
 
     def rows(self, layer_rows: int = 0, probe_rows: int = 0) -> None:
         self.layer_rows += layer_rows

@@ -46,8 +46,8 @@ class LayerOps:
         """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]`` (None: no RoPE, the
         queries as at position 0): a pass over the layer's q weight of its own (a hook that needs queries it could not
         ride along the layer's pass), its rows counted as probe rows."""
-        parts = self._model.layer_parts(layer)
-        q = self._project(parts, parts.q, self.spec.n_heads, h, meter)
+        parts, counted = self._model.layer_parts(layer), self._model.layer_bytes(layer)
+        q = self._project(parts, parts.q, counted.attn_norm + counted.q, self.spec.n_heads, h, meter)
         if positions is None:
             return q
         cos, sin = self._model.rotary.cos_sin(positions)
@@ -56,15 +56,15 @@ class LayerOps:
     def project_values(self, layer: int, h: torch.Tensor, meter: CostMeter) -> torch.Tensor:
         """Values ``[B, Hkv, X, hd]`` of inputs ``h [B, X, d]``: a pass over the layer's v weight of its own, its rows
         counted as probe rows (a hook that compares values before it picks the rows the layer recomputes)."""
-        parts = self._model.layer_parts(layer)
-        return self._project(parts, parts.v, self.spec.n_kv_heads, h, meter)
+        parts, counted = self._model.layer_parts(layer), self._model.layer_bytes(layer)
+        return self._project(parts, parts.v, counted.attn_norm + counted.v, self.spec.n_kv_heads, h, meter)
 
-    def _project(self, parts, linear, n_heads: int, h: torch.Tensor, meter: CostMeter) -> torch.Tensor:
+    def _project(self, parts, linear, weight_bytes: int, n_heads: int, h: torch.Tensor,
+                 meter: CostMeter) -> torch.Tensor:
         """``linear(attn_norm(h))`` for ``h [B, X, d]`` as heads ``[B, n_heads, X, hd]``, the norm's and the
-        projection's weights and ``B · X`` probe rows counted."""
+        projection's weights (``weight_bytes``) and ``B · X`` probe rows counted."""
         B, X, _ = h.shape
-        meter.weight(parts.attn_norm.weight)
-        meter.linear(linear)
+        meter.read(weight_bytes)
         meter.rows(probe_rows=B * X)
         norm = parts.attn_norm
         out = layer_regions.active().project_rows(h, norm.weight, norm.bias, linear.weight, linear.bias, norm.eps)
