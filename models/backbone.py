@@ -444,14 +444,15 @@ class DiffusionLM(nn.Module):
             q, k, v = self.project_qkv(layer, _gather_rows(h, rows), rope.rows(rows), meter)
             self.write_kv(cache, layer, index.gather(1, rows), k, v)
             keys, values = cache.k[layer], cache.v[layer]
-            regions = layer_regions.active()
-            _scatter_rows(features.attn, rows, regions.attend_out(q, keys, values, cache.key_valid, w.o, w.o_bias))
-            _scatter_rows(features.mlp, rows, regions.mlp_branch(_gather_rows(h + features.attn, rows), w.mlp_norm,
-                                                                 w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down,
-                                                                 w.down_bias, spec.norm_eps))
+            attn, mlp, out = layer_regions.active().cached_rows(
+                h, rows, q, keys, values, cache.key_valid, features.attn, features.mlp, w.o, w.o_bias, w.mlp_norm,
+                w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps)
+            features.attn.copy_(attn)
+            features.mlp.copy_(mlp)
             self._count_out_mlp(layer, meter)
             meter.rows(layer_rows=B * R)
             meter.attention(keys, values)
+            return out
         return (h + features.attn) + features.mlp
 
     def attention_probs(self, q: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,

@@ -83,20 +83,24 @@ def attend_mlp(q, resid, keys, values, key_valid, o, o_bias, norm, norm_bias, ga
     return hid + _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
 
 
-def attend_out(q, keys, values, key_valid, o, o_bias):
-    """Attention of ``q [B, H, Q, hd]`` over the layer's cache and the o projection → ``[B, Q, d]`` (no residual:
-    a feature cache keeps this branch's output)."""
-    return F.linear(_attend(q, keys, values, key_valid), o, o_bias)
+def cached_rows(h, rows, q, keys, values, key_valid, attn, mlp, o, o_bias, norm, norm_bias, gate_up, gate_up_bias,
+                down, down_bias, eps: float):
+    """A layer pass with feature caching (:class:`~polestar.models.backbone.CachedFeatures`): the rows ``rows [B, R]``
+    of the plan rows ``h [B, C, d]``, whose queries are ``q [B, H, R, hd]``, attend over the layer's cache; their o
+    output replaces theirs in the cached attention outputs ``attn [B, C, d]``, the MLP branch of their
+    ``h + attn`` replaces theirs in the cached MLP outputs ``mlp [B, C, d]``. → the new ``attn``, the new ``mlp``
+    (the caller writes them back) and every plan row's output ``(h + attn) + mlp`` ``[B, C, d]``."""
+    index = rows[..., None].expand(-1, -1, h.shape[-1])
+    attn = attn.scatter(1, index, F.linear(_attend(q, keys, values, key_valid), o, o_bias))
+    hid = h + attn
+    mlp = mlp.scatter(1, index, _mlp(hid.gather(1, index), norm, norm_bias, gate_up, gate_up_bias, down, down_bias,
+                                     eps))
+    return attn, mlp, hid + mlp
 
 
 def project_rows(rows, norm, norm_bias, weight, bias, eps: float):
     """The attention norm of ``rows [B, X, d]`` and one projection (a hook's own q or v pass) → ``[B, X, out]``."""
     return F.linear(rms_norm(rows, norm, norm_bias, eps), weight, bias)
-
-
-def mlp_branch(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float):
-    """The MLP branch of ``hid [B, X, d]`` (norm, fused gate/up, SwiGLU, down), its residual not added."""
-    return _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
 
 
 class Regions(NamedTuple):
@@ -106,13 +110,12 @@ class Regions(NamedTuple):
 
     qkv_rows: Callable
     attend_mlp: Callable
-    attend_out: Callable
-    mlp_branch: Callable
+    cached_rows: Callable
     project_rows: Callable
 
 
 #: the plain functions (eager steps)
-PLAIN = Regions(qkv_rows, attend_mlp, attend_out, mlp_branch, project_rows)
+PLAIN = Regions(qkv_rows, attend_mlp, cached_rows, project_rows)
 #: each a nested compile region: a whole-step ``torch.compile`` compiles each once and calls it at every layer
 NESTED = Regions(*(region(fn) for fn in PLAIN))
 _ACTIVE: list[Regions] = [NESTED]
