@@ -482,11 +482,14 @@ class StepRunner:
 
     def begin_block(self, gen: Generation) -> None:
         """Host-side preparation before a block's first step (a block start may allocate buffers, e.g. a new window
-        size): mark the buffers static (:meth:`mark_static`) and drop the phase-table entries that read a tensor the
-        generation or the model no longer holds (:meth:`polestar.phase_table.PhaseTable.keep_valid`)."""
+        size): mark the buffers static (:meth:`mark_static`) and drop the phase-table entries and the captured graphs
+        that read a tensor the generation or the model no longer holds (:meth:`polestar.phase_table.PhaseTable.
+        keep_valid`, :meth:`polestar.step_graphs.StepGraphs.keep_valid`)."""
         self.mark_static(gen)
         if self.compile and gen.phases.entries:
-            gen.phases.keep_valid([*persistent_tensors(gen), *gen.model.step_tensors()])
+            gen.phases.keep_valid(step_reads(gen))
+        if self.graphs is not None:
+            self.graphs.keep_valid(gen)
 
     def mark_static(self, gen: Generation) -> None:
         """Pin the addresses of every persistent buffer of ``gen`` (:func:`persistent_tensors`) for CUDA graphs:
@@ -622,14 +625,20 @@ def _step_graphs(graphs, device: torch.device) -> StepGraphs | None:
         return graphs
     if graphs is None:
         graphs = device.type == "cuda" and os.environ.get("POLESTAR_EAGER", "") != "1"
-    return StepGraphs(decode_step) if graphs else None
+    return StepGraphs(decode_step, reads=step_reads) if graphs else None
 
 
 def taped_step_graphs() -> StepGraphs:
     """:class:`~polestar.step_graphs.StepGraphs` whose graphs are :class:`~polestar.step_graphs.ReplayTape` s over
     each generation's persistent buffers: the CUDA capture path, checked on any device
     (``StepRunner(False, device, pipeline, graphs=taped_step_graphs())``)."""
-    return StepGraphs(decode_step, graph=lambda gen: ReplayTape(persistent_tensors(gen)))
+    return StepGraphs(decode_step, graph=lambda gen: ReplayTape(persistent_tensors(gen)), reads=step_reads)
+
+
+def step_reads(gen: Generation) -> list[torch.Tensor]:
+    """Every tensor a step of ``gen`` may read: its persistent buffers (:func:`persistent_tensors`) and its model's
+    tensors (:meth:`~polestar.models.backbone.DiffusionLM.step_tensors`)."""
+    return [*persistent_tensors(gen), *gen.model.step_tensors()]
 
 
 @contextlib.contextmanager

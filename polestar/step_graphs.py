@@ -16,8 +16,10 @@ replayed on the same buffers: what SGLang's graph runner does for its eager forw
   and the cost counters are plain ints, the same for every step of the phase.
 
 A graph belongs to one generation object (its buffers' addresses) and one phase; generations reused from the pool
-(:func:`polestar.engine.acquire_generation`) reuse their graphs. Random numbers are drawn into the generation's
-buffers before each step, outside the graph (:meth:`~polestar.step.Generation.draw`).
+(:func:`polestar.engine.acquire_generation`) reuse their graphs, as long as the generation and its model still hold
+every tensor the graph was captured with (checked on the host before each block: a weight assigned by hand between
+two generations drops the graphs that read the old one, and they are captured again). Random numbers are drawn into
+the generation's buffers before each step, outside the graph (:meth:`~polestar.step.Generation.draw`).
 
 What replaying needs from a step, beyond the compiled step's rules: the same operations on the same buffers at
 every step of a phase. :class:`ReplayTape` records a step's operations and replays them on a CPU with exactly a
@@ -135,16 +137,34 @@ class StepGraphs:
     """Runs steps as replayed graphs (see the module docstring): ``graphs(gen)`` → what ``step(gen)`` returns.
 
     ``step``: the step function (:func:`polestar.step.decode_step`); ``graph``: a factory ``graph(gen) -> StepGraph``,
-    default a :class:`CudaGraph` (one memory pool for all). ``eager``, ``captured``, ``replayed``: how many steps ran
+    default a :class:`CudaGraph` (one memory pool for all); ``reads`` (optional): ``reads(gen)`` → every tensor a
+    step of ``gen`` may read (its buffers and its model's weights), listed at each capture and compared before each
+    block (:meth:`keep_valid`). ``eager``, ``captured``, ``replayed``: how many steps ran
     eagerly (a phase's first), were captured, were replays (a capture is replayed at once, so it counts in
     ``replayed`` too): ``eager + replayed`` is the number of steps."""
 
-    def __init__(self, step: Callable[[Any], Any], graph: Callable[[Any], StepGraph] | None = None) -> None:
+    def __init__(self, step: Callable[[Any], Any], graph: Callable[[Any], StepGraph] | None = None,
+                 reads: Callable[[Any], list[torch.Tensor]] | None = None) -> None:
         self._step = step
         self._make = graph if graph is not None else (lambda gen: CudaGraph())
-        self._graphs: dict[tuple[int, Any], tuple[Any, StepGraph, Any]] = {}
+        self._reads = reads
+        self._graphs: dict[tuple[int, Any], tuple[Any, StepGraph, Any, tuple]] = {}
         self._seen: set[tuple[int, Any]] = set()
         self.eager = self.captured = self.replayed = 0
+
+    def keep_valid(self, gen) -> int:
+        """Drop ``gen``'s graphs captured while it or its model held a tensor they no longer hold (``reads(gen)``: a
+        buffer replaced at a block start, a weight assigned by hand; buffers added since do not matter), so that the
+        next steps of those phases are captured anew instead of replaying on the old addresses; → how many were
+        dropped. Host-side, before a block."""
+        if self._reads is None:
+            return 0
+        now = set(map(id, self._reads(gen)))
+        stale = [key for key, entry in self._graphs.items()
+                 if entry[0] is gen and not all(id(t) in now for t in entry[3])]
+        for key in stale:
+            del self._graphs[key]
+        return len(stale)
 
     def __call__(self, gen):
         key = (id(gen), gen.state.phase)
@@ -160,7 +180,8 @@ class StepGraphs:
         graph = self._make(gen)
         with suspended():  # a checked stage was checked in the phase's first step; a capture reads nothing back
             out = graph.capture(lambda: self._step(gen))
-        self._graphs[key] = (gen, graph, out)
+        reads = tuple(self._reads(gen)) if self._reads is not None else ()  # held: their ids stay theirs
+        self._graphs[key] = (gen, graph, out, reads)
         self.captured += 1
         graph.replay()
         self.replayed += 1

@@ -77,3 +77,23 @@ def test_graphs_are_off_on_a_cpu_and_with_compile_by_default():
     assert StepRunner(False, "cuda", pipeline).graphs is not None  # made without touching CUDA (captures lazily)
     assert StepRunner(False, "cuda", pipeline, graphs=False).graphs is None
     assert StepRunner("eager", "cpu", pipeline, graphs=taped_step_graphs()).graphs is None
+
+
+def test_a_weight_assigned_by_hand_is_read_by_the_next_generation_not_the_captured_one():
+    model = make_model("llada", n_layers=2, seed=9)
+    ids, mask = _inputs()
+    pipeline = assemble("fast-dllm")
+    graphs = taped_step_graphs()
+    runner = StepRunner(False, "cpu", pipeline, graphs=graphs)
+    decode(model, ids, mask, pipeline, CONFIG, runner=runner)  # captured: the graphs read this weight
+    o = model.layer_parts(1).o
+    old = o.weight
+    o.weight = torch.nn.Parameter(old.detach() * -3.0)  # a new tensor: a replay of the old graphs would read `old`
+    try:
+        eager, _ = decode(model, ids, mask, pipeline, CONFIG, runner=StepRunner(False, "cpu", pipeline))
+        captured = graphs.captured
+        tokens, _ = decode(model, ids, mask, pipeline, CONFIG, runner=runner)
+        assert torch.equal(tokens, eager)
+        assert graphs.captured > captured  # the graphs that read the old weight were dropped and captured again
+    finally:
+        o.weight = old
