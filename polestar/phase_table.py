@@ -30,14 +30,21 @@ decoding (``tests/test_phase_table.py``: what is recorded, stale recordings).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import attrs
 import torch
 
-#: the graph calls of the step being recorded (:func:`recording`), else None
-_SINK: list[tuple[Callable, tuple, Any]] | None = None
+
+class _Sink(threading.local):
+    """Per thread: the graph calls of the step being recorded (:func:`recording`), else None."""
+
+    calls: list[tuple[Callable, tuple, Any]] | None = None
+
+
+_SINK = _Sink()
 
 
 class RecordingBackend:
@@ -55,8 +62,8 @@ class RecordingBackend:
 
         def run(*args):
             out = graph(*args)
-            if _SINK is not None:
-                _SINK.append((graph, args, out))
+            if _SINK.calls is not None:
+                _SINK.calls.append((graph, args, out))
             return out
 
         return run
@@ -70,13 +77,13 @@ class RecordingBackend:
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[Callable, tuple, Any]]]:
     """Collect the graph calls of :class:`RecordingBackend` graphs made inside the block, as
-    ``(graph, inputs, outputs)`` (the caller reads them right after the step)."""
-    global _SINK
-    outer, _SINK = _SINK, []
+    ``(graph, inputs, outputs)`` (the caller reads them right after the step; calls made by other threads are not
+    collected)."""
+    outer, _SINK.calls = _SINK.calls, []
     try:
-        yield _SINK
+        yield _SINK.calls
     finally:
-        _SINK = outer
+        _SINK.calls = outer
 
 
 @attrs.frozen

@@ -111,3 +111,17 @@ def test_keep_valid_drops_entries_reading_a_tensor_no_longer_held():
     table.record("r", None)
     assert not table.wants("p") and not table.wants("r") and table.wants("s")
     assert table.keep_valid([a]) == 1 and set(table.entries) == {"p"}
+
+
+def test_recording_collects_only_this_threads_calls():
+    import threading
+
+    backend = RecordingBackend(lambda gm, inputs: gm.forward, name="eager")
+    fn = torch.compile(lambda t: t + 1, backend=backend, fullgraph=True)
+    x = torch.ones(2)
+    fn(x)
+    other = threading.Thread(target=fn, args=(x,))
+    with recording() as calls:
+        other.start()
+        other.join()
+    assert calls == []
