@@ -43,14 +43,18 @@ attention rows ``[B, H, ·, T + 1]``, cached queries ``[L, B, H, T + 1, hd]``, t
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 import torch.nn.functional as F
 from attrs import validators as v
 
+from polestar.kernels.proxy_attention import proxy_attention
 from polestar.models.backbone import LayerQKV
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.layer_ops import LayerOps
+from polestar.models.layer_regions import region
 from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
@@ -93,7 +97,7 @@ class ElasticCacheRefresh(RefreshSelector):
             seen=torch.zeros(B, T, dtype=torch.bool, device=device),
             member=torch.zeros(B, T, dtype=torch.bool, device=device),
             fired0=torch.zeros(B, dtype=torch.bool, device=device),
-            sim0=torch.zeros(B, device=device))
+            sim0=torch.zeros(B, device=device), layer_ids=torch.arange(L, device=device))
 
     def begin_generation(self, local: ElasticState, state: DecodeState, cache: DecodeCache, model) -> None:
         spec = model.spec
@@ -268,6 +272,40 @@ def tracked_tokens(local: ElasticState, member: torch.Tensor, track_num: int) ->
     return pos, tracked.gather(1, pos)
 
 
+def _probs(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Attention ``[B, H, S, T + 1]`` of the queries ``q [B, H, C, hd]`` at plan slots ``slots [B, S]`` over the
+    layer's keys (:func:`~polestar.kernels.proxy_attention.proxy_attention`, the backbone's probe kernel)."""
+    H, hd = q.shape[1], q.shape[3]
+    return proxy_attention(q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd)), keys, key_valid, scale)
+
+
+@region
+def retracked(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
+              region_valid: torch.Tensor, masked: torch.Tensor, track: torch.Tensor, keep: torch.Tensor, scale: float,
+              track_num: int, length: int) -> torch.Tensor:
+    """One layer's tracked tokens re-picked (one compile region for every layer): the ``track_num`` positions the
+    window rows (queries ``q`` at plan slots ``slots [B, R]``, ``region_valid [B, R]``) attend to most, summed over
+    heads and rows, never a position still ``masked [B, T]``; rows where ``keep [B]`` is False keep ``track
+    [B, track_num]``. → ``[B, track_num]``."""
+    focus = (_probs(q, slots, keys, key_valid, scale) * region_valid[:, None, :, None]).sum(dim=(1, 2))[:, :length]
+    pick = focus.masked_fill(masked, 0.0).topk(track_num, dim=1).indices
+    return torch.where(keep[:, None], pick, track)
+
+
+@region
+def triggered(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, old: torch.Tensor,
+              track_valid: torch.Tensor, fired: torch.Tensor, active: torch.Tensor, layer: torch.Tensor, scale: float,
+              gamma: float, n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's trigger test (one compile region for every layer): the tracked tokens' attention now (queries
+    ``q`` at ``slots [B, K]``) against ``old [B, H, K, T + 1]`` (:func:`attention_cosine`); an active row not fired
+    yet (``fired [B]`` is ``n_layers``) whose similarity fell below ``gamma`` fires at ``layer`` (0-d long).
+    → the new ``fired [B]`` and the similarity ``[B]``."""
+    sim = attention_cosine(old, _probs(q, slots, keys, key_valid, scale), track_valid, key_valid)
+    hit = (fired == n_layers) & (sim < gamma) & active
+    return torch.where(hit, layer, fired), sim
+
+
 def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor,
                      key_valid: torch.Tensor) -> torch.Tensor:
     """Elastic-Cache's similarity: the cosine over heads of two attention distributions ``[B, H, K, T + 1]`` of the
@@ -286,7 +324,8 @@ class ElasticState:
     the masked positions at the row's last forward (its commits since are the next query rows); ``member [B, T]``
     the last ``cached`` step's query rows; ``fired0 [B]`` and ``sim0 [B]``: the next forward's layer-0 trigger and
     similarity, decided at the end of the previous step (:meth:`ElasticCacheRefresh.look_ahead`); ``fired`` is
-    ``-1`` in a row recomputed from layer 1."""
+    ``-1`` in a row recomputed from layer 1; ``layer_ids [L]`` long ``0 .. L-1`` (a layer's index as a device
+    scalar, so one compiled trigger test serves every layer)."""
 
     q: tuple[torch.Tensor, ...] | None
     track: torch.Tensor
@@ -296,6 +335,7 @@ class ElasticState:
     member: torch.Tensor
     fired0: torch.Tensor
     sim0: torch.Tensor
+    layer_ids: torch.Tensor
 
 
 class _TrackPass(LayerHook):
@@ -307,6 +347,7 @@ class _TrackPass(LayerHook):
                  local: ElasticState):
         self.sel, self.state, self.plan, self.cache, self.ops, self.local = sel, state, plan, cache, ops, local
         self.evals = torch.zeros(state.batch_size, dtype=torch.long, device=state.x.device)
+        self.scale = 1.0 / math.sqrt(ops.spec.head_dim)  # the probe attention's, as the backbone's
         T, P = state.length, state.prompt_len
         still = state.schedule.candidates(state)  # [B, G] positions still to decode, as of the forward's start
         self.masked = torch.cat([still.new_zeros(still.shape[0], P), still], dim=1)[:, :T]  # [B, T]
@@ -329,13 +370,11 @@ class _TrackPass(LayerHook):
         q_layer = local.q[layer]
         q_layer.scatter_(2, qkv.index[:, None, :, None].expand(-1, H, -1, hd), qkv.q[:, :, :C].to(q_layer.dtype))
         self.check(layer, qkv)
-        slots = self.window_slots(layer)
-        q_win = qkv.q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd))
-        w = self.ops.attention_probs(q_win, cache.k[layer], cache.key_valid, qkv.meter)  # [B, H, R, T + 1]
-        focus = (w * state.region_valid[:, None, :, None]).sum(dim=(1, 2))[:, : state.length]
-        pick = focus.masked_fill(self.masked, 0.0).topk(self.sel.config.track_num, dim=1).indices
-        keep = self.retrack_rows(layer)[:, None]
-        local.track[layer].copy_(torch.where(keep, pick, local.track[layer]))
+        keys = cache.k[layer]
+        qkv.meter.attention(keys, None)
+        track = local.track[layer]
+        track.copy_(retracked(qkv.q, self.window_slots(layer), keys, cache.key_valid, state.region_valid, self.masked,
+                              track, self.retrack_rows(layer), self.scale, self.sel.config.track_num, state.length))
         return None
 
 
@@ -383,12 +422,12 @@ class _CachedPass(_TrackPass):
                 self.detail.similarity[0] = local.sim0.clone()
                 self.detail.triggered[0] = local.fired <= 0
             return
-        H, hd = qkv.q.shape[1], qkv.q.shape[3]
-        q_now = qkv.q.gather(2, self.tracked_slots(layer)[:, None, :, None].expand(-1, H, -1, hd))
-        now = self.ops.attention_probs(q_now, cache.k[layer], cache.key_valid, qkv.meter)
-        sim = attention_cosine(self.old, now, self.track_valid, cache.key_valid)
-        hit = (local.fired == state.n_layers) & (sim < self.sel.config.gamma) & state.active
-        local.fired.copy_(torch.where(hit, layer, local.fired))
+        keys = cache.k[layer]
+        qkv.meter.attention(keys, None)
+        fired, sim = triggered(qkv.q, self.tracked_slots(layer), keys, cache.key_valid, self.old, self.track_valid,
+                               local.fired, state.active, local.layer_ids[layer], self.scale, self.sel.config.gamma,
+                               state.n_layers)
+        local.fired.copy_(fired)
         if self.detail is not None:  # an observer records: the similarity and the rows triggered so far
             self.detail.similarity[layer] = sim
             self.detail.triggered[layer] = local.fired <= layer
