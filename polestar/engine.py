@@ -79,11 +79,12 @@ def decode(
     return tokens, stats
 
 
-def _pool_key(pipeline: Pipeline, prompt_ids: torch.Tensor, config: GenerationConfig,
+def _pool_key(model: DiffusionLM, pipeline: Pipeline, prompt_ids: torch.Tensor, config: GenerationConfig,
               stop_ids: tuple[int, ...] | None) -> tuple:
-    """What fixes a generation's buffers: the stage composition, the batch, the prompt and generation lengths, the
-    decoding settings (the seed aside) and the stop ids."""
-    return (repr(sorted(pipeline.describe().items())), tuple(prompt_ids.shape), prompt_ids.device,
+    """What fixes a generation's buffers: the model's dtype (its cache's; a model cast between two generations gets
+    new buffers), the stage composition, the batch, the prompt and generation lengths, the decoding settings (the
+    seed aside) and the stop ids."""
+    return (model.dtype, repr(sorted(pipeline.describe().items())), tuple(prompt_ids.shape), prompt_ids.device,
             attrs.evolve(config, seed=0), stop_ids)
 
 
@@ -99,7 +100,7 @@ def acquire_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_m
     (:func:`release_generation`), reset in place for the new prompts, so a compiled step's CUDA graphs replay on
     the same addresses; else new ones (:func:`start_generation`). A generation in use is never handed out twice,
     so one pipeline can decode several generations at once."""
-    key = _pool_key(pipeline, prompt_ids, config, stop_ids)
+    key = _pool_key(model, pipeline, prompt_ids, config, stop_ids)
     free = _POOLS.setdefault(model, {}).get(key)
     if not free:
         gen = start_generation(model, prompt_ids, attention_mask, pipeline, config, stop_ids)

@@ -62,3 +62,19 @@ def test_one_pipeline_decodes_two_batches_in_two_threads_as_alone(model, policy)
     assert not errors, errors
     assert results[0] == [alone[0]] * 2
     assert results[1] == [alone[1]] * 2
+
+
+@pytest.mark.parametrize("compile", [False, "eager"])
+def test_a_model_cast_between_two_generations_decodes_as_one_built_in_that_dtype(compile):
+    """The pooled buffers of a float32 generation are not handed to the same model cast to bfloat16 (its cache's
+    dtype changed: the scatter of bfloat16 keys into float32 buffers used to fail), compiled or not."""
+    import torch
+
+    cast = make_model("llada", seed=4, n_layers=2)
+    polestar.generate(cast, BATCH_A, policy="fast-dllm", compile=compile, **KW)
+    cast.to(torch.bfloat16)
+    after = polestar.generate(cast, BATCH_A, policy="fast-dllm", compile=compile, **KW)
+    built = polestar.generate(make_model("llada", seed=4, n_layers=2).to(torch.bfloat16), BATCH_A, policy="fast-dllm",
+                              **KW)
+    assert after.tokens.tolist() == built.tokens.tolist()
+    assert after.stats.sequences == built.stats.sequences
