@@ -15,6 +15,7 @@ queries ``[B, H, Q, hd]``; cached keys and values ``[B, Hkv, T + 1, hd]``; ``key
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -112,12 +113,17 @@ class Regions(NamedTuple):
     attend_mlp: Callable
     cached_rows: Callable
     project_rows: Callable
+    #: how these regions were compiled on their own (``compile(fn) -> compiled fn``), so that a stage's own regions
+    #: (:class:`StageRegion`) are compiled the same way; None where they are plain functions or nested regions
+    compile: Callable | None = None
 
 
+#: the model's region functions, in :class:`Regions`' order
+FUNCTIONS = (qkv_rows, attend_mlp, cached_rows, project_rows)
 #: the plain functions (eager steps)
-PLAIN = Regions(qkv_rows, attend_mlp, cached_rows, project_rows)
+PLAIN = Regions(*FUNCTIONS)
 #: each a nested compile region: a whole-step ``torch.compile`` compiles each once and calls it at every layer
-NESTED = Regions(*(region(fn) for fn in PLAIN))
+NESTED = Regions(*(region(fn) for fn in FUNCTIONS))
 _ACTIVE: list[Regions] = [NESTED]
 _COMPILED: dict[tuple, Regions] = {}
 
@@ -146,9 +152,37 @@ def compiled(backend: str | Callable = "inductor", options: dict | None = None) 
     key = (backend, repr(sorted((options or {}).items())))
     regions = _COMPILED.get(key)
     if regions is None:
-        regions = _COMPILED[key] = Regions(*(
-            torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options) for fn in PLAIN))
+        compile = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
+        regions = _COMPILED[key] = Regions(*(compile(fn) for fn in FUNCTIONS), compile)
     return regions
+
+
+class StageRegion:
+    """A stage's own per-layer work as a region (Elastic-Cache's trigger test, ...): a pure function of explicit
+    tensors (and constants that are the same at every layer), wrapped like the model's regions, so a compiled step
+    compiles it once for every layer. Whole-step compile: a nested compile region; ``compile="layers"``: compiled on
+    its own the way the active regions were (:attr:`Regions.compile`), once per shape; eager: the plain function.
+    Use as a decorator (:func:`stage_region`)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.nested = region(fn)
+        self._compiled: dict[Callable, Callable] = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        compile = active().compile
+        if compile is None:
+            return self.nested(*args)
+        fn = self._compiled.get(compile)
+        if fn is None:
+            fn = self._compiled[compile] = compile(self.fn)
+        return fn(*args)
+
+
+def stage_region(fn: Callable) -> StageRegion:
+    """Decorator: ``fn`` as a :class:`StageRegion`."""
+    return StageRegion(fn)
 
 
 #: whether a whole-step compile reuses a nested region without tracing it again at every call (torch ≥ 2.12; on

@@ -94,7 +94,7 @@ def _regions_compiled_by(backend_graphs: list, layers: int, policy: str) -> torc
     with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False), \
             layer_regions.using(layer_regions.Regions(*(torch.compile(fn, backend=backend, fullgraph=True,
                                                                       dynamic=False)
-                                                        for fn in layer_regions.PLAIN))):
+                                                        for fn in layer_regions.FUNCTIONS))):
         return polestar.generate(model, PROMPTS, policy=policy, gen_length=16, block_length=8).tokens
 
 
@@ -136,3 +136,31 @@ def test_layers_mode_with_inductor_equals_eager_and_reuses_its_regions_at_anothe
     eager8 = polestar.generate(model8, PROMPTS, policy="polestar", gen_length=16, block_length=8)
     assert out2.stats.compiled_steps == out2.stats.nfe and out8.stats.compiled_steps == out8.stats.nfe
     assert torch.equal(out8.tokens, eager8.tokens)
+
+
+def test_a_stages_own_regions_are_compiled_with_the_layer_regions_once_whatever_the_depth():
+    """Elastic-Cache's trigger test and re-pick are :class:`~polestar.models.layer_regions.StageRegion` s: under
+    ``compile="layers"`` they are compiled on their own like the model's regions, once per shape at any depth, and
+    the decode gives the eager tokens."""
+    from polestar.models import layer_regions
+    from polestar.policies.refresh_elastic import retracked, triggered
+
+    counts = []
+    for layers in (2, 3):
+        graphs = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        regions = layer_regions.compiled(backend=backend)
+        model = tiny_model("llada", seed=3, n_layers=layers)
+        with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False), \
+                layer_regions.using(regions):
+            tokens = polestar.generate(model, PROMPTS, policy="elastic-cache", gen_length=16, block_length=8).tokens
+        eager = polestar.generate(model, PROMPTS, policy="elastic-cache", gen_length=16, block_length=8).tokens
+        assert torch.equal(tokens, eager)
+        assert regions.compile in retracked._compiled and regions.compile in triggered._compiled
+        counts.append(len(graphs))
+    assert counts[0] == counts[1] > 0
