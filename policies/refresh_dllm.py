@@ -31,6 +31,7 @@ from attrs import validators as v
 
 from polestar.models.backbone import CachedFeatures
 from polestar.models.layer_ops import LayerOps
+from polestar.models.layer_regions import stage_region
 from polestar.models.plan import DecodeCache, Plan
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
@@ -139,16 +140,23 @@ class _FeatureHook(LayerHook):
         P, T = self.state.prompt_len, self.state.length
         fresh = self.ops.project_values(layer, h[:, P:], meter)  # [B, Hkv, G, hd]
         cached = self.cache.v[layer][:, :, P:T]
-        sim = F.cosine_similarity(_heads_last(fresh), _heads_last(cached), dim=-1)  # [B, G]
-        grid = self.config.similarity_grid
-        if grid > 0:  # on the grid, ties to the earlier position
-            pick = torch.round(sim.double() / grid).argsort(dim=1, stable=True)[:, : self.n_pick]
-        else:  # the released code's ranking, tie order included
-            pick = sim.topk(self.n_pick, dim=1, largest=False).indices
+        pick = least_similar(fresh, cached, self.config.similarity_grid, self.n_pick)
         cached.copy_(fresh)
         if self.state.detail is not None:  # an observer records: the picked positions
             self.state.detail.refreshed[layer] = (P + pick, torch.ones_like(pick, dtype=torch.bool))
         return pick
+
+
+@stage_region
+def least_similar(fresh: torch.Tensor, cached: torch.Tensor, grid: float, n_pick: int) -> torch.Tensor:
+    """The ``n_pick`` rows ``[B, n_pick]`` (least similar first) whose values ``fresh [B, Hkv, G, hd]`` are least
+    cosine-similar to ``cached`` (same shape), all heads of a row together (one compile region for every layer).
+    ``grid > 0``: similarities compared on that grid, ties to the earlier row; 0: the released code's ``topk``
+    ranking, tie order included."""
+    sim = F.cosine_similarity(_heads_last(fresh), _heads_last(cached), dim=-1)  # [B, G]
+    if grid > 0:
+        return torch.round(sim.double() / grid).argsort(dim=1, stable=True)[:, :n_pick]
+    return sim.topk(n_pick, dim=1, largest=False).indices
 
 
 def _heads_last(v: torch.Tensor) -> torch.Tensor:
