@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from polestar.models.layer_regions import StageRegion, stage_region
+
 from .offload import gather_rows
 
 
@@ -43,6 +45,10 @@ class RowStore:
         self.anchor = [torch.zeros_like(zeros) if lossy else None for _ in range(n_layers)]
         self.anchored = [False] * n_layers
         self._all_rows = torch.arange(n_rows, device=self.device).expand(batch, n_rows)
+        #: :meth:`read` as stage regions (plain, anchored) where the quantizer and offloader are the package's own
+        #: traceable stages (a compiled step compiles one read for every layer); else None (read in the step)
+        self._readers = (tuple(_row_reader(quant, offload, dim, dtype, self.device, a) for a in (False, True))
+                         if _traceable(quant, offload) else None)
 
     def write_all(self, layer: int, values: torch.Tensor, anchor: torch.Tensor | None = None) -> None:
         """Store every row of ``layer``: ``values [B, n_rows, dim]``; ``anchor [B, n_rows, dim]`` or None (see the
@@ -58,11 +64,13 @@ class RowStore:
     def read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Decode rows ``rows [B, M]`` (long in ``[0, n_rows]``; ``n_rows`` is the trash row, meaningless values) of
         ``layer`` → ``[B, M, dim]`` in ``dtype`` on the compute device. Only those rows are gathered and decoded."""
-        leaves = self.offload.read_rows(self.stored[layer], rows, self.device)
-        out = self.quant.decode(self.quant.from_leaves(leaves, self.dim, self.dtype)).to(self.dtype)
-        if self.anchored[layer]:
-            out = out + gather_rows(self.anchor[layer], rows)
-        return out
+        stored = self.stored[layer]
+        if self._readers is not None:
+            if self.anchored[layer]:
+                return self._readers[1](rows, self.anchor[layer], *stored)
+            return self._readers[0](rows, *stored)
+        return _read_rows(self.quant, self.offload, self.dim, self.dtype, self.device, rows,
+                          self.anchor[layer] if self.anchored[layer] else None, stored)
 
     def write(self, layer: int, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> None:
         """Re-encode and store ``values [B, M, dim]`` at ``rows [B, M]`` where ``valid [B, M]``; invalid slots go to
@@ -80,3 +88,30 @@ class RowStore:
     def _put(self, layer: int, rows: torch.Tensor, payload: torch.Tensor) -> None:
         leaves = self.quant.to_leaves(self.quant.encode(payload.contiguous()))
         self.offload.write_rows(self.stored[layer], rows, leaves)
+
+
+def _read_rows(quant, offload, dim: int, dtype, device, rows: torch.Tensor, anchor: torch.Tensor | None,
+               stored) -> torch.Tensor:
+    """Rows ``rows [B, M]`` of one layer's ``stored`` leaves, fetched, decoded and (with ``anchor [B, n_rows + 1,
+    dim]``) added to their anchors → ``[B, M, dim]``."""
+    leaves = offload.read_rows(stored, rows, device)
+    out = quant.decode(quant.from_leaves(leaves, dim, dtype)).to(dtype)
+    return out if anchor is None else out + gather_rows(anchor, rows)
+
+
+def _row_reader(quant, offload, dim: int, dtype, device, anchored: bool) -> StageRegion:
+    """:func:`_read_rows` for one store as a stage region taking tensors only: ``(rows, anchor, *leaves)`` when
+    ``anchored``, else ``(rows, *leaves)`` (the stages and sizes are the closure's, the same at every layer)."""
+
+    def read(rows: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        anchor, stored = (args[0], args[1:]) if anchored else (None, args)
+        return _read_rows(quant, offload, dim, dtype, device, rows, anchor, tuple(stored))
+
+    return stage_region(read)
+
+
+def _traceable(quant, offload) -> bool:
+    """Whether both stages are the package's own, traceable ones (a plugin's stage runs in the step's glue, where a
+    compile that cannot trace it falls back to eager steps instead of failing a region)."""
+    return (getattr(offload, "compilable", True) and
+            all(type(stage).__module__.startswith("polestar.") for stage in (quant, offload)))
