@@ -31,7 +31,7 @@ def _run(model, policy, compile="eager", on_step=None):
     return tokens, stats, runner
 
 
-@pytest.mark.parametrize("policy", ["fast-dllm", "polestar"])
+@pytest.mark.parametrize("policy", ["fast-dllm", pytest.param("polestar", marks=pytest.mark.slow)])
 def test_steps_after_each_phases_first_are_called_by_key_and_equal_eager(model, policy):
     eager, eager_stats, _ = _run(model, policy, compile=False)
     tokens, stats, runner = _run(model, policy)
