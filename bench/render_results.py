@@ -41,7 +41,7 @@ as stated in `docs/log.md`):
 bash bench/run_results.sh {n}        # Table 1, the eight model / task tables, threshold 0.5, commit anatomy: ~30 min
 bash bench/run_agreement.sh {n}      # lossy stages, token agreement (clean and noisy checkpoints): ~12 min
 bash bench/run_sweep.sh {n}          # Polestar-Cache recompute budget: ~15 min
-bash bench/run_frontier.sh {n}       # calibrated checkpoints, frontier, anatomy: ~54 min (four cells measured: 11, 13, 16 and 14 min)
+bash bench/run_frontier.sh {n}       # calibrated checkpoints, frontier, anatomy: ~54 min (cells of 11-16 min)
 bash bench/run_side_by_side.sh 100   # the policy side of the two side-by-side tables: ~5 min
 python bench/render_results.py --raw runs/results   # summaries, plots, this page: ~10 s
 ```
