@@ -76,10 +76,6 @@ class CostMeter:
         self.layer_rows = 0
         self.probe_rows = 0
 
-    def linear(self, module: nn.Linear) -> None:
-        """One call of ``module`` (any number of rows): its weight and bias are read once."""
-        self.weight_bytes += _linear_bytes(module)
-
     def read(self, weight_bytes: int) -> None:
         """One pass over weights of ``weight_bytes`` bytes (a layer's part, from its :class:`LayerBytes`)."""
         self.weight_bytes += weight_bytes

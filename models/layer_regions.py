@@ -162,7 +162,7 @@ class StageRegion:
     tensors (and constants that are the same at every layer), wrapped like the model's regions, so a compiled step
     compiles it once for every layer. Whole-step compile: a nested compile region; ``compile="layers"``: compiled on
     its own the way the active regions were (:attr:`Regions.compile`), once per shape; eager: the plain function.
-    Use as a decorator (:func:`stage_region`)."""
+    Use as a decorator (``@StageRegion``)."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
@@ -178,11 +178,6 @@ class StageRegion:
         if fn is None:
             fn = self._compiled[compile] = compile(self.fn)
         return fn(*args)
-
-
-def stage_region(fn: Callable) -> StageRegion:
-    """Decorator: ``fn`` as a :class:`StageRegion`."""
-    return StageRegion(fn)
 
 
 #: whether a whole-step compile reuses a nested region without tracing it again at every call (torch ≥ 2.12; on

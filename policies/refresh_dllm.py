@@ -31,7 +31,7 @@ from attrs import validators as v
 
 from polestar.models.backbone import CachedFeatures
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layer_regions import stage_region
+from polestar.models.layer_regions import StageRegion
 from polestar.models.plan import DecodeCache, Plan
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
@@ -147,7 +147,7 @@ class _FeatureHook(LayerHook):
         return pick
 
 
-@stage_region
+@StageRegion
 def least_similar(fresh: torch.Tensor, cached: torch.Tensor, grid: float, n_pick: int) -> torch.Tensor:
     """The ``n_pick`` rows ``[B, n_pick]`` (least similar first) whose values ``fresh [B, Hkv, G, hd]`` are least
     cosine-similar to ``cached`` (same shape), all heads of a row together (one compile region for every layer).

@@ -54,7 +54,7 @@ from polestar.kernels.proxy_attention import proxy_attention
 from polestar.models.backbone import LayerQKV
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layer_regions import stage_region
+from polestar.models.layer_regions import StageRegion
 from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
@@ -280,7 +280,7 @@ def _probs(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: 
     return proxy_attention(q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd)), keys, key_valid, scale)
 
 
-@stage_region
+@StageRegion
 def retracked(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
               region_valid: torch.Tensor, masked: torch.Tensor, track: torch.Tensor, keep: torch.Tensor, scale: float,
               track_num: int, length: int) -> torch.Tensor:
@@ -293,7 +293,7 @@ def retracked(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_vali
     return torch.where(keep[:, None], pick, track)
 
 
-@stage_region
+@StageRegion
 def triggered(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, old: torch.Tensor,
               track_valid: torch.Tensor, fired: torch.Tensor, active: torch.Tensor, layer: torch.Tensor, scale: float,
               gamma: float, n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:

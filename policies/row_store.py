@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from polestar.models.layer_regions import StageRegion, stage_region
+from polestar.models.layer_regions import StageRegion
 
 from .offload import gather_rows
 
@@ -107,7 +107,7 @@ def _row_reader(quant, offload, dim: int, dtype, device, anchored: bool) -> Stag
         anchor, stored = (args[0], args[1:]) if anchored else (None, args)
         return _read_rows(quant, offload, dim, dtype, device, rows, anchor, tuple(stored))
 
-    return stage_region(read)
+    return StageRegion(read)
 
 
 def _traceable(quant, offload) -> bool:
