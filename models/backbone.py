@@ -398,6 +398,8 @@ class DiffusionLM(nn.Module):
             return self._feature_step(layer, h, index, rope, cache, hook, meter, features), None
         spec = self.spec
         B, C, _ = h.shape
+        if hook is None and probe_rows is None:
+            return self._plain_step(layer, h, index, rope, cache, meter), None
         extra = hook.extra_rows(layer, h, meter) if hook is not None else None
         rows, kv_index = h, index
         if extra is not None:
@@ -430,6 +432,21 @@ class DiffusionLM(nn.Module):
             out = out[:, :C]
         return out, probs
 
+    def _plain_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, meter: CostMeter) -> torch.Tensor:
+        """:meth:`layer_step` without a hook or a probe: the whole layer as one region
+        (:func:`~polestar.models.layer_regions.decoder_layer`), its K/V written in place."""
+        spec, w = self.spec, self.layer_weights(layer)
+        keys, values = cache.k[layer], cache.v[layer]
+        out = layer_regions.active().decoder_layer(
+            h, index, rope.cos, rope.sin, cache.key_valid, keys, values, w.attn_norm, w.attn_norm_bias, w.qkv,
+            w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias,
+            spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+        meter.read(self._layer_bytes[layer].qkv_pass)
+        meter.rows(layer_rows=h.shape[0] * h.shape[1])
+        meter.attention(keys, values)
+        self._count_out_mlp(layer, meter)
+        return out
+
     def _feature_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, hook: LayerHook, meter: CostMeter,
                       features: CachedFeatures) -> torch.Tensor:
         """:meth:`layer_step` with feature caching: the ``R`` rows of ``features.rows`` go through q/k/v (K/V written
@@ -441,14 +458,12 @@ class DiffusionLM(nn.Module):
         B, R = rows.shape
         if R > 0:
             w = self.layer_weights(layer)
-            q, k, v = self.project_qkv(layer, _gather_rows(h, rows), rope.rows(rows), meter)
-            self.write_kv(cache, layer, index.gather(1, rows), k, v)
             keys, values = cache.k[layer], cache.v[layer]
-            attn, mlp, out = layer_regions.active().cached_rows(
-                h, rows, q, keys, values, cache.key_valid, features.attn, features.mlp, w.o, w.o_bias, w.mlp_norm,
-                w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps)
-            features.attn.copy_(attn)
-            features.mlp.copy_(mlp)
+            out = layer_regions.active().feature_layer(
+                h, rows, index, rope.cos, rope.sin, cache.key_valid, keys, values, features.attn, features.mlp,
+                w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias,
+                w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+            meter.read(self._layer_bytes[layer].qkv_pass)
             self._count_out_mlp(layer, meter)
             meter.rows(layer_rows=B * R)
             meter.attention(keys, values)

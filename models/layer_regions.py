@@ -99,6 +99,87 @@ def cached_rows(h, rows, q, keys, values, key_valid, attn, mlp, o, o_bias, norm,
     return attn, mlp, hid + mlp
 
 
+def _scatter(t, slot, rows):
+    """``t`` with ``rows`` written at ``slot`` along dim 2 (a new tensor: what a region may do)."""
+    return t.scatter(2, slot, rows)
+
+
+def _scatter_(t, slot, rows):
+    """``t`` with ``rows`` written at ``slot`` along dim 2, in place (eager glue)."""
+    return t.scatter_(2, slot, rows)
+
+
+def _layer_pass(qkv_fn, attend_fn, write, h, kv_index, cos, sin, key_valid, keys, values, attn_norm, attn_norm_bias,
+                qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float,
+                n_heads: int, n_kv_heads: int):
+    """A whole layer for the plan rows ``h [B, X, d]`` without a hook: q/k/v (``qkv_fn``, :func:`qkv_rows`), their
+    K/V written (``write``) into the layer's ``keys, values [B, Hkv, T + 1, hd]`` at ``kv_index [B, X]``, then
+    attention, o and the MLP (``attend_fn``, :func:`attend_mlp`) → ``(out [B, X, d], keys, values)``."""
+    qk, proj = qkv_fn(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
+    slot = kv_index[:, None, :, None].expand(-1, n_kv_heads, -1, cos.shape[-1])
+    keys = write(keys, slot, qk[:, :, n_heads:].transpose(1, 2))
+    values = write(values, slot, proj[:, :, n_heads + n_kv_heads :].transpose(1, 2))
+    out = attend_fn(qk[:, :, :n_heads].transpose(1, 2), h, keys, values, key_valid, o, o_bias, mlp_norm,
+                    mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
+    return out, keys, values
+
+
+def _feature_pass(qkv_fn, cached_fn, write, h, rows, kv_index, cos, sin, key_valid, keys, values, attn, mlp,
+                  attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up,
+                  gate_up_bias, down, down_bias, eps: float, n_heads: int, n_kv_heads: int):
+    """A layer pass with feature caching, whole: the rows ``rows [B, R]`` of the plan rows ``h [B, C, d]`` (cache
+    slots ``kv_index [B, C]``, rotary factors ``cos, sin [B, C, 1, hd]``) go through q/k/v, their K/V are written
+    into the layer's ``keys, values``, then :func:`cached_rows` (``cached_fn``) → ``(out [B, C, d], keys, values,
+    attn, mlp)``."""
+    slot = rows[:, :, None, None].expand(-1, -1, 1, cos.shape[-1])
+    picked = h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1]))
+    qk, proj = qkv_fn(picked, attn_norm, attn_norm_bias, qkv, qkv_bias, cos.gather(1, slot), sin.gather(1, slot),
+                      eps, n_heads, n_kv_heads)
+    kv_slot = kv_index.gather(1, rows)[:, None, :, None].expand(-1, n_kv_heads, -1, cos.shape[-1])
+    keys = write(keys, kv_slot, qk[:, :, n_heads:].transpose(1, 2))
+    values = write(values, kv_slot, proj[:, :, n_heads + n_kv_heads :].transpose(1, 2))
+    attn, mlp, out = cached_fn(h, rows, qk[:, :, :n_heads].transpose(1, 2), keys, values, key_valid, attn, mlp, o,
+                               o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
+    return out, keys, values, attn, mlp
+
+
+def decoder_layer(*args):
+    """:func:`_layer_pass` of the plain functions, writing nothing it was given (a nested region's form)."""
+    return _layer_pass(qkv_rows, attend_mlp, _scatter, *args)
+
+
+def feature_layer(*args):
+    """:func:`_feature_pass` of the plain functions, writing nothing it was given (a nested region's form)."""
+    return _feature_pass(qkv_rows, cached_rows, _scatter, *args)
+
+
+class WritesBack:
+    """A layer pass that writes the layer's buffers in place: ``fn(*args)`` returns ``(out, *buffers)``, and each
+    buffer is copied into the argument at the matching position of ``written`` unless it is that argument already
+    (an in-place write). Returns ``out``. Whichever way ``fn`` runs (a nested region, which may not write its inputs;
+    region pieces around in-place writes; the plain functions), the caller sees one in-place pass."""
+
+    def __init__(self, fn: Callable, written: tuple[int, ...]) -> None:
+        self.fn, self.written = fn, written
+
+    def __call__(self, *args):
+        out, *buffers = self.fn(*args)
+        for i, new in zip(self.written, buffers):
+            if new is not args[i]:
+                args[i].copy_(new)
+        return out
+
+
+#: argument positions of the buffers each pass writes, in the order it returns them
+_LAYER_WRITES, _FEATURE_WRITES = (5, 6), (6, 7, 8, 9)
+
+
+def _passes(qkv_fn, attend_fn, cached_fn) -> tuple[WritesBack, WritesBack]:
+    """The two whole-layer passes made of region pieces, the K/V written in place between them (eager glue)."""
+    return (WritesBack(functools.partial(_layer_pass, qkv_fn, attend_fn, _scatter_), _LAYER_WRITES),
+            WritesBack(functools.partial(_feature_pass, qkv_fn, cached_fn, _scatter_), _FEATURE_WRITES))
+
+
 def project_rows(rows, norm, norm_bias, weight, bias, eps: float):
     """The attention norm of ``rows [B, X, d]`` and one projection (a hook's own q or v pass) → ``[B, X, out]``."""
     return F.linear(rms_norm(rows, norm, norm_bias, eps), weight, bias)
@@ -106,24 +187,32 @@ def project_rows(rows, norm, norm_bias, weight, bias, eps: float):
 
 class Regions(NamedTuple):
     """The functions a layer's pass calls for its model work (:meth:`~polestar.models.backbone.DiffusionLM.
-    layer_step` reads them from :func:`active`): the plain functions of this module, as nested compile regions
-    (:data:`NESTED`, what a whole-step compile traces) or each compiled on its own (:func:`compiled`)."""
+    layer_step` reads them from :func:`active`): the plain functions of this module (:data:`PLAIN`), as nested
+    compile regions (:data:`NESTED`, what a whole-step compile traces) or each compiled on its own
+    (:func:`compiled`).
+
+    ``decoder_layer`` (a layer without a hook) and ``feature_layer`` (a layer with feature caching) are whole
+    passes that write the layer's buffers in place (:class:`WritesBack`): in :data:`NESTED` each is one region (so a
+    whole-step compile traces a layer's model work once, whatever the depth), elsewhere the pieces with the K/V
+    written in place between them."""
 
     qkv_rows: Callable
     attend_mlp: Callable
-    cached_rows: Callable
     project_rows: Callable
+    decoder_layer: WritesBack
+    feature_layer: WritesBack
     #: how these regions were compiled on their own (``compile(fn) -> compiled fn``), so that a stage's own regions
     #: (:class:`StageRegion`) are compiled the same way; None where they are plain functions or nested regions
     compile: Callable | None = None
 
 
-#: the model's region functions, in :class:`Regions`' order
-FUNCTIONS = (qkv_rows, attend_mlp, cached_rows, project_rows)
+#: the region pieces, compiled on their own by :func:`compiled`
+PIECES = (qkv_rows, attend_mlp, project_rows, cached_rows)
 #: the plain functions (eager steps)
-PLAIN = Regions(*FUNCTIONS)
+PLAIN = Regions(qkv_rows, attend_mlp, project_rows, *_passes(qkv_rows, attend_mlp, cached_rows))
 #: each a nested compile region: a whole-step ``torch.compile`` compiles each once and calls it at every layer
-NESTED = Regions(*(region(fn) for fn in FUNCTIONS))
+NESTED = Regions(region(qkv_rows), region(attend_mlp), region(project_rows),
+                 WritesBack(region(decoder_layer), _LAYER_WRITES), WritesBack(region(feature_layer), _FEATURE_WRITES))
 _ACTIVE: list[Regions] = [NESTED]
 _COMPILED: dict[tuple, Regions] = {}
 
@@ -153,8 +242,16 @@ def compiled(backend: str | Callable = "inductor", options: dict | None = None) 
     regions = _COMPILED.get(key)
     if regions is None:
         compile = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
-        regions = _COMPILED[key] = Regions(*(compile(fn) for fn in FUNCTIONS), compile)
+        regions = _COMPILED[key] = compiled_with(compile)
     return regions
+
+
+def compiled_with(compile: Callable) -> Regions:
+    """The regions with each piece (:data:`PIECES`) compiled by ``compile(fn) -> compiled fn`` and the whole-layer
+    passes made of those pieces, their K/V written in place between them (:func:`compiled`'s regions for one
+    backend)."""
+    qkv_fn, attend_fn, project_fn, cached_fn = (compile(fn) for fn in PIECES)
+    return Regions(qkv_fn, attend_fn, project_fn, *_passes(qkv_fn, attend_fn, cached_fn), compile)
 
 
 class StageRegion:

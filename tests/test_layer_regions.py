@@ -2,6 +2,7 @@
 compiler builds does not grow with depth; compiled by inductor they compute what they compute eagerly."""
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -81,6 +82,97 @@ def test_regions_compiled_by_inductor_equal_their_eager_results():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def _layer_inputs(seed: int = 0):
+    """Two layers' weights and caches, plan rows, their slots and rotary factors, at a tiny width."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, d, H, hd, X = 2, 12, 32, 4, 8, 5
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    weights = [(rand(d).abs(), None, rand(3 * d, d, scale=0.1), None, rand(d, d, scale=0.1), None, rand(d).abs(), None,
+                rand(4 * d, d, scale=0.1), None, rand(d, 2 * d, scale=0.1), None) for _ in range(2)]
+    valid = torch.ones(B, T + 1, dtype=torch.bool)
+    valid[:, -1] = False
+    buffers = [tuple(rand(*shape) for shape in ((B, H, T + 1, hd),) * 2 + ((B, X, d),) * 2) for _ in range(2)]
+    rows = torch.tensor([[0, 3], [4, 1]])
+    return weights, buffers, rand(B, X, d), torch.arange(3, 3 + X).expand(B, X), rand(B, X, 1, hd), \
+        rand(B, X, 1, hd), valid, rows, H
+
+
+def _by_hand(weights, buffers, h, index, cos, sin, valid, rows, H):
+    """Layer 0 without a hook, then layer 1 with feature caching at ``rows``, written out with the plain pieces and
+    in-place K/V writes (what the whole-layer passes must equal)."""
+    from polestar.models.layer_regions import attend_mlp, cached_rows, qkv_rows
+
+    w0, (k0, v0, _, _) = weights[0], buffers[0]
+    qk, qkv = qkv_rows(h, *w0[:4], cos, sin, 1e-5, H, H)
+    slot = index[:, None, :, None].expand(-1, H, -1, cos.shape[-1])
+    k0.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
+    v0.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
+    h = attend_mlp(qk[:, :, :H].transpose(1, 2), h, k0, v0, valid, *w0[4:], 1e-5)
+    w1, (k1, v1, attn, mlp) = weights[1], buffers[1]
+    pick = rows[:, :, None, None].expand(-1, -1, 1, cos.shape[-1])
+    qk, qkv = qkv_rows(h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1])), *w1[:4], cos.gather(1, pick),
+                       sin.gather(1, pick), 1e-5, H, H)
+    slot = index.gather(1, rows)[:, None, :, None].expand(-1, H, -1, cos.shape[-1])
+    k1.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
+    v1.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
+    new_attn, new_mlp, out = cached_rows(h, rows, qk[:, :, :H].transpose(1, 2), k1, v1, valid, attn, mlp, *w1[4:],
+                                         1e-5)
+    attn.copy_(new_attn)
+    mlp.copy_(new_mlp)
+    return out
+
+
+def _passes(regions, weights, buffers, h, index, cos, sin, valid, rows, H):
+    (k0, v0, _, _), (k1, v1, attn, mlp) = buffers
+    h = regions.decoder_layer(h, index, cos, sin, valid, k0, v0, *weights[0], 1e-5, H, H)
+    return regions.feature_layer(h, rows, index, cos, sin, valid, k1, v1, attn, mlp, *weights[1], 1e-5, H, H)
+
+
+@pytest.mark.parametrize("form", ["plain", "nested in a compiled step", "pieces compiled on their own"])
+def test_whole_layer_passes_equal_the_pieces_and_write_their_buffers_in_place(form):
+    from polestar.models import layer_regions
+
+    expected_inputs = _layer_inputs()
+    expected = _by_hand(*expected_inputs)
+    weights, buffers, *rest = _layer_inputs()
+    addresses = [t.data_ptr() for b in buffers for t in b]
+    if form == "plain":
+        out = _passes(layer_regions.PLAIN, weights, buffers, *rest)
+    elif form == "nested in a compiled step":
+        out = torch.compile(_passes, backend="aot_eager", fullgraph=True)(NESTED, weights, buffers, *rest)
+    else:
+        regions = layer_regions.compiled_with(functools.partial(torch.compile, backend="aot_eager", fullgraph=True,
+                                                                dynamic=False))
+        out = _passes(regions, weights, buffers, *rest)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip((t for b in buffers for t in b), (t for b in expected_inputs[1] for t in b)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [t.data_ptr() for b in buffers for t in b] == addresses  # written where they are
+
+
+def test_a_layer_without_a_hook_adds_a_call_and_its_weights_to_a_step_graph_per_layer():
+    """A whole-step graph grows by one region call per layer and its inputs (the layer's weights and K/V), not by
+    the layer's own operations."""
+    counts = {}
+    for layers in (2, 4):
+        graphs = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        polestar.generate(tiny_model("llada", seed=3, n_layers=layers), PROMPTS, policy="fast-dllm",
+                          compile=backend, gen_length=16, block_length=8)
+        counts[layers] = [len(gm.graph.nodes) for gm in graphs]
+    per_layer = [(deep - shallow) / 2 for shallow, deep in zip(counts[2], counts[4])]
+    # 8 inputs (six weights, K and V), the subgraph reference, the call, its three outputs and the two write-backs
+    assert per_layer and all(n <= 15 for n in per_layer), per_layer
+
+
 def _regions_compiled_by(backend_graphs: list, layers: int, policy: str) -> torch.Tensor:
     """Decode eagerly with every layer region compiled on its own by a recording backend; the tokens."""
     from polestar.models import layer_regions
@@ -92,9 +184,8 @@ def _regions_compiled_by(backend_graphs: list, layers: int, policy: str) -> torc
     torch._dynamo.reset()
     model = tiny_model("llada", seed=3, n_layers=layers)
     with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False), \
-            layer_regions.using(layer_regions.Regions(*(torch.compile(fn, backend=backend, fullgraph=True,
-                                                                      dynamic=False)
-                                                        for fn in layer_regions.FUNCTIONS))):
+            layer_regions.using(layer_regions.compiled_with(functools.partial(torch.compile, backend=backend,
+                                                                              fullgraph=True, dynamic=False))):
         return polestar.generate(model, PROMPTS, policy=policy, gen_length=16, block_length=8).tokens
 
 
