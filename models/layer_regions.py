@@ -218,8 +218,12 @@ _COMPILED: dict[tuple, Regions] = {}
 
 
 def active() -> Regions:
-    """The regions layer passes call now (:data:`NESTED` unless inside :func:`using`)."""
-    return _ACTIVE[-1]
+    """The regions layer passes call now: those of the innermost :func:`using`, else :data:`NESTED` while
+    ``torch.compile`` traces and :data:`PLAIN` when it does not (an eager step writes the K/V in place)."""
+    regions = _ACTIVE[-1]
+    if regions is NESTED and not torch.compiler.is_compiling():
+        return PLAIN
+    return regions
 
 
 @contextlib.contextmanager

@@ -255,3 +255,15 @@ def test_a_stages_own_regions_are_compiled_with_the_layer_regions_once_whatever_
         assert regions.compile in retracked._compiled and regions.compile in triggered._compiled
         counts.append(len(graphs))
     assert counts[0] == counts[1] > 0
+
+
+def test_eager_steps_run_the_plain_passes_and_a_compiled_step_the_nested_regions():
+    """Outside ``torch.compile`` the passes write the K/V in place (no copy of a layer's cache per step); a traced
+    step gets the nested regions, which may not write their inputs."""
+    from polestar.models import layer_regions
+
+    assert layer_regions.active() is layer_regions.PLAIN
+    traced = torch.compile(lambda x: x + int(layer_regions.active() is NESTED), backend="eager", fullgraph=True)
+    assert traced(torch.zeros(())).item() == 1
+    with layer_regions.using(layer_regions.PLAIN):
+        assert layer_regions.active() is layer_regions.PLAIN
