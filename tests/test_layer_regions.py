@@ -15,9 +15,8 @@ PROMPTS = [[5, 17, 3, 8], [9, 1, 22, 30, 4, 11]]
 POLICIES = ["fast-dllm", "polestar", "elastic-cache", "dllm-cache"]
 
 
-def _graph_shape(policy: str, layers: int) -> tuple[int, collections.Counter, collections.Counter]:
-    """Step graphs of one decode captured by dynamo (no code generated): their count, the distinct region subgraphs
-    per graph (by size) and the region calls per graph."""
+def _captured(policy: str, layers: int) -> list[torch.fx.GraphModule]:
+    """The step graphs of one decode, captured by dynamo (no code generated)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -27,6 +26,13 @@ def _graph_shape(policy: str, layers: int) -> tuple[int, collections.Counter, co
     torch._dynamo.reset()
     model = tiny_model("llada", seed=3, n_layers=layers)
     polestar.generate(model, PROMPTS, policy=policy, compile=backend, gen_length=16, block_length=8)
+    return graphs
+
+
+def _graph_shape(policy: str, layers: int) -> tuple[int, collections.Counter, collections.Counter]:
+    """Step graphs of one decode: their count, the distinct region subgraphs per graph (by size) and the region
+    calls per graph."""
+    graphs = _captured(policy, layers)
     subgraphs = collections.Counter(sum(1 for _ in gm.named_children()) for gm in graphs)
     calls = collections.Counter(sum(1 for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph)
                                 for gm in graphs)
@@ -156,18 +162,7 @@ def test_whole_layer_passes_equal_the_pieces_and_write_their_buffers_in_place(fo
 def test_a_layer_without_a_hook_adds_a_call_and_its_weights_to_a_step_graph_per_layer():
     """A whole-step graph grows by one region call per layer and its inputs (the layer's weights and K/V), not by
     the layer's own operations."""
-    counts = {}
-    for layers in (2, 4):
-        graphs = []
-
-        def backend(gm, example_inputs, graphs=graphs):
-            graphs.append(gm)
-            return gm.forward
-
-        torch._dynamo.reset()
-        polestar.generate(tiny_model("llada", seed=3, n_layers=layers), PROMPTS, policy="fast-dllm",
-                          compile=backend, gen_length=16, block_length=8)
-        counts[layers] = [len(gm.graph.nodes) for gm in graphs]
+    counts = {layers: [len(gm.graph.nodes) for gm in _captured("fast-dllm", layers)] for layers in (2, 4)}
     per_layer = [(deep - shallow) / 2 for shallow, deep in zip(counts[2], counts[4])]
     # 8 inputs (six weights, K and V), the subgraph reference, the call, its three outputs and the two write-backs
     assert per_layer and all(n <= 15 for n in per_layer), per_layer
