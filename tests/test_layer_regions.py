@@ -137,7 +137,8 @@ def _passes(regions, weights, buffers, h, index, cos, sin, valid, rows, H):
     return regions.feature_layer(h, rows, index, cos, sin, valid, k1, v1, attn, mlp, *weights[1], 1e-5, H, H)
 
 
-@pytest.mark.parametrize("form", ["plain", "nested in a compiled step", "pieces compiled on their own"])
+@pytest.mark.parametrize("form", ["plain", pytest.param("nested in a compiled step", marks=pytest.mark.slow),
+                                  pytest.param("pieces compiled on their own", marks=pytest.mark.slow)])
 def test_whole_layer_passes_equal_the_pieces_and_write_their_buffers_in_place(form):
     from polestar.models import layer_regions
 
@@ -159,6 +160,7 @@ def test_whole_layer_passes_equal_the_pieces_and_write_their_buffers_in_place(fo
     assert [t.data_ptr() for b in buffers for t in b] == addresses  # written where they are
 
 
+@pytest.mark.slow
 def test_a_layer_without_a_hook_adds_a_call_and_its_weights_to_a_step_graph_per_layer():
     """A whole-step graph grows by one region call per layer and its inputs (the layer's weights and K/V), not by
     the layer's own operations."""
