@@ -488,11 +488,6 @@ class DiffusionLM(nn.Module):
         return self.head(h)
 
 
-def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``t[b, rows[b, r]]``: ``t [B, C, d]``, ``rows [B, R]`` → ``[B, R, d]``."""
-    return t.gather(1, rows[..., None].expand(-1, -1, t.shape[-1]))
-
-
 def _scatter_rows(buffer: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``buffer[b, index[b, c]] = values[b, c]`` in place; ``buffer [B, T+1, d]``, ``index [B, C]``."""
     buffer.scatter_(1, index[..., None].expand(-1, -1, buffer.shape[-1]), values)
