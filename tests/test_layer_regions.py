@@ -186,6 +186,7 @@ def _regions_compiled_by(backend_graphs: list, layers: int, policy: str) -> torc
         return polestar.generate(model, PROMPTS, policy=policy, gen_length=16, block_length=8).tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fast-dllm", "polestar"])
 def test_regions_compiled_on_their_own_compile_once_whatever_the_depth(policy):
     """``compile="layers"``: each region is compiled once per shape it meets, the same at 2 layers and at 4, and the

@@ -140,6 +140,7 @@ def test_every_step_is_a_replayable_graph_with_one_host_read(family, policy, bat
         assert len(probe.graphs) == GRAPHS_AT_BATCH_1[policy], sorted(map(str, runner.phases))
 
 
+@pytest.mark.slow
 def test_elastic_cache_recomputation_steps_are_replayable_graphs():
     """Elastic-Cache recomputes a forward whose tracked attention drifted from the layer above the trigger: at
     layer 0 decided at the end of the previous step (a step that recomputes from layer 1), above it in the next

@@ -15,7 +15,8 @@ def test_the_dual_cache_step_issues_at_most_25_operations_per_layer():
     assert ops.per_layer <= 25, ops
 
 
-@pytest.mark.parametrize("policy", sorted(CEILINGS))
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.slow) if p == "elastic-cache" else p
+                                    for p in sorted(CEILINGS)])
 def test_ops_per_step_stay_under_their_ceiling(policy):
     ops = step_ops(policy, 32)
     assert ops.per_step <= CEILINGS[policy], f"{policy}: {ops.per_step:.1f} ops per step > {CEILINGS[policy]}"
