@@ -98,5 +98,13 @@ class CostMeter:
         self.layer_rows += layer_rows
         self.probe_rows += probe_rows
 
+    def add(self, weight_bytes: int = 0, kv_bytes: int = 0, layer_rows: int = 0, probe_rows: int = 0) -> None:
+        """Counts worked out by the caller, added in one call (a layer region's glue counts its whole layer at once:
+        each call a compiled step traces costs it compile time at every layer)."""
+        self.weight_bytes += weight_bytes
+        self.kv_bytes += kv_bytes
+        self.layer_rows += layer_rows
+        self.probe_rows += probe_rows
+
     def result(self) -> StepCost:
         return StepCost(self.weight_bytes, self.kv_bytes, self.layer_rows, self.probe_rows)

@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:  # the backbone's row types, imported for annotations only (the backbone imports this module)
     from .backbone import CachedFeatures, ExtraRows, LayerQKV, MemberRows
     from .cost import CostMeter
+    from .layers import RopeTable
 
 
 class LayerHook(Protocol):
@@ -50,6 +51,13 @@ class LayerHook(Protocol):
     def features(self, layer: int, h: torch.Tensor, meter: CostMeter) -> CachedFeatures | None:
         """The rows layer ``layer`` recomputes and its cached outputs for the others (feature caching), or None
         (default: the layer recomputes every plan row)."""
+        return None
+
+    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable,
+                    meter: CostMeter) -> torch.Tensor | None:
+        """Run layer ``layer`` for the plan rows ``h [B, C, d]`` (cache slots ``index [B, C]``, rotary factors
+        ``rope``) whole, as a region of the hook's own, writing the layer's K/V and counting on ``meter`` → the plan
+        rows' outputs ``[B, C, d]``; or None (default): the layer runs its pass with the three calls below."""
         return None
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | None:

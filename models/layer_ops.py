@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import layer_regions
-from .cost import CostMeter
+from .cost import CostMeter, LayerBytes
+from .layer_regions import LayerWeights
 from .layers import Rotary
 from .spec import ModelSpec
 
@@ -46,8 +47,8 @@ class LayerOps:
         """Queries after RoPE ``[B, H, X, hd]`` of inputs ``h [B, X, d]`` at ``positions [B, X]`` (None: no RoPE, the
         queries as at position 0): a pass over the layer's q weight of its own (a hook that needs queries it could not
         ride along the layer's pass), its rows counted as probe rows."""
-        parts, counted = self._model.layer_parts(layer), self._model.layer_bytes(layer)
-        q = self._project(parts, parts.q, counted.attn_norm + counted.q, self.spec.n_heads, h, meter)
+        parts = self._model.layer_parts(layer)
+        q = self._project(parts, parts.q, self.query_bytes(layer), self.spec.n_heads, h, meter)
         if positions is None:
             return q
         cos, sin = self._model.rotary.cos_sin(positions)
@@ -76,6 +77,26 @@ class LayerOps:
         attention probe uses): ``q [B, H, R, hd]`` over ``keys [B, Hkv, T+1, hd]`` (``key_valid [B, T+1]``; keys
         rotated by ``key_rope`` first when given) → fp32 ``[B, H, R, T+1]``, masked keys at probability 0."""
         return self._model.attention_probs(q, keys, key_valid, meter, key_rope)
+
+    def layer_weights(self, layer: int) -> LayerWeights:
+        """Layer ``layer``'s tensors as the layer regions take them (for a hook that runs the layer as a region of
+        its own; it counts their reads itself, from :meth:`layer_bytes`)."""
+        return self._model.layer_weights(layer)
+
+    def query_weights(self, layer: int) -> tuple:
+        """Layer ``layer``'s attention norm and q projection as :func:`~polestar.models.layer_regions.project_rows`
+        takes them: ``(norm weight, norm bias, q weight, q bias)`` (biases None where the checkpoint has none)."""
+        parts = self._model.layer_parts(layer)
+        return parts.attn_norm.weight, parts.attn_norm.bias, parts.q.weight, parts.q.bias
+
+    def query_bytes(self, layer: int) -> int:
+        """Bytes :meth:`project_queries` reads (the attention norm's and the q projection's weights)."""
+        counted = self._model.layer_bytes(layer)
+        return counted.attn_norm + counted.q
+
+    def layer_bytes(self, layer: int) -> LayerBytes:
+        """Layer ``layer``'s weight bytes per part (:class:`~polestar.models.cost.LayerBytes`)."""
+        return self._model.layer_bytes(layer)
 
     def embed(self, tokens: torch.Tensor, meter: CostMeter) -> torch.Tensor:
         """Layer-0 inputs ``[B, X, d]`` of token ids ``tokens [B, X]`` (the lookup reads only those embedding rows)."""

@@ -44,6 +44,9 @@ class Offloader(Stage):
     """Where stored rows live (see the module docstring for both interfaces and every shape)."""
 
     compilable: bool = True
+    #: whether the stored rows are tensors on the compute device that :meth:`with_rows` can rewrite as a pure
+    #: function (a layer region's store writes); False: the rows are written in place by :meth:`write_rows` only
+    on_device: bool = False
 
     def alloc(self, like: tuple[torch.Tensor, ...]):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -53,6 +56,11 @@ class Offloader(Stage):
 
     def write_rows(self, stored, rows: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> None:  # pragma: no cover
         raise NotImplementedError
+
+    def with_rows(self, stored, rows: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """:meth:`write_rows` as a pure function: new leaves ``[B, N, ...]``, ``stored`` unchanged (only where
+        :attr:`on_device`)."""
+        raise NotImplementedError(f"offload stage {type(self).__name__} keeps no rows on the device to rewrite")
 
 
 def check_rows(stage, out, stored, rows: torch.Tensor, device) -> None:
@@ -104,6 +112,7 @@ class NoOffload(Offloader):
     scattered in place. Traceable by ``torch.compile``."""
 
     compilable = True
+    on_device = True
 
     @attrs.frozen
     class Config:
@@ -111,6 +120,9 @@ class NoOffload(Offloader):
 
     def alloc(self, like):
         return tuple(t.clone() for t in like)
+
+    def with_rows(self, stored, rows, leaves):
+        return tuple(buf.scatter(1, _row_index(rows, src), src) for buf, src in zip(stored, leaves))
 
     def read_rows(self, stored, rows, device):
         return tuple(gather_rows(t, rows) for t in stored)

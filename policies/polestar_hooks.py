@@ -30,6 +30,7 @@ import torch
 from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
 from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
+from polestar.models.layers import RopeTable
 from polestar.models.plan import DecodeCache
 from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
@@ -157,10 +158,11 @@ class PolestarBuildHook(LayerHook):
             offset += k
         return torch.cat(centroids, dim=2).to(hw.dtype), torch.cat(labels, dim=2), torch.cat(counts, dim=2)
 
-    def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows and
-        write their clusters into the window's buffers; → the centroids ``[n, B, K, d]`` and their RoPE positions
-        ``[n, B, K]``."""
+    def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None, store_rows: bool = True):
+        """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows (unless
+        not ``store_rows``: the caller does) and write their clusters into the window's buffers; → the centroids
+        ``[n, B, K, d]``, their RoPE positions ``[n, B, K]`` and each window row's anchor ``[n, B, Nw, d]`` (its
+        centroid, for a lossy store; else None)."""
         local, buf = self.local, self.buffers
         centroids, labels, counts = self._cluster(hw, keys)
         if self.sel.config.proxy_rope:  # the members' mean position
@@ -173,14 +175,36 @@ class PolestarBuildHook(LayerHook):
         anchor = None
         if not buf.store.quant.lossless:  # a lossy store keeps residuals to each member's centroid
             anchor = centroids.gather(2, labels.clamp_min(0)[..., None].expand(-1, -1, -1, hw.shape[-1]))
-        for i in range(hw.shape[0]):
+        for i in range(hw.shape[0] if store_rows else 0):
             with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
                 buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
         layers = range(first, first + hw.shape[0])  # one buffer per layer (see WindowBuffers), one copy per kind
         for kept, new in ((buf.centroids, centroids), (buf.labels, labels), (buf.counts, counts),
                           (buf.centroid_pos, centroid_pos)):
             torch._foreach_copy_([kept[layer] for layer in layers], list(new.unbind(0)))
-        return centroids, centroid_pos
+        return centroids, centroid_pos, anchor
+
+    def _build_regions(self):
+        """The block start's regions (:class:`~polestar.policies.polestar_update.BuildLayer`) where they run this
+        step's layers: clustering layers together with un-rotated centroid queries, in a whole-step compile; else
+        None (the calls below)."""
+        build = self.buffers.build
+        if build is None or not self.together or self.sel.config.proxy_rope or not build.applies():
+            return None
+        return build
+
+    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable,
+                    meter) -> torch.Tensor | None:
+        build = self._build_regions()
+        if build is None:
+            return None
+        ops = self.ops
+        out, window = build.layer(layer, h, index, rope, self.cache, ops.layer_weights(layer), self.slots, meter,
+                                  ops.layer_bytes(layer))
+        self.inputs.append(window)
+        if len(self.inputs) == self.group or layer == ops.spec.n_layers - 1:  # their K/V are written
+            self._cluster_kept(layer, meter)
+        return out
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
         hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
@@ -188,7 +212,7 @@ class PolestarBuildHook(LayerHook):
             self.inputs.append(hw)
             return None
         keys = None if self.buffers.keys is None else self.buffers.keys[layer : layer + 1]
-        centroids, centroid_pos = self._record(layer, hw[None], keys)
+        centroids, centroid_pos, _anchor = self._record(layer, hw[None], keys)
         if not self.sel.refreshes_layer(layer, self.ops.spec.n_layers):
             return None
         return ExtraRows(centroids[0], centroid_pos[0], torch.full_like(centroid_pos[0], self.cache.trash))
@@ -215,10 +239,20 @@ class PolestarBuildHook(LayerHook):
         local, ops = self.local, self.ops
         first = last + 1 - len(self.inputs)
         keys = None if self.buffers.keys is None else self.buffers.keys[first : last + 1]
-        centroids, centroid_pos = self._record(first, torch.stack(self.inputs), keys)
+        build = self._build_regions()
+        hw = torch.stack(self.inputs)
+        centroids, centroid_pos, anchor = self._record(first, hw, keys, store_rows=build is None)
         self.inputs.clear()
         for i, layer in enumerate(range(first, last + 1)):
-            if not self.sel.refreshes_layer(layer, ops.spec.n_layers):
+            refreshes = self.sel.refreshes_layer(layer, ops.spec.n_layers)
+            if build is not None and refreshes:  # stored and scored in one region
+                build.finish(layer, hw[i], None if anchor is None else anchor[i], centroids[i], self.cache,
+                             ops.query_weights(layer), local.key_rope, self.buffers.prev[layer], meter,
+                             ops.query_bytes(layer))
+                continue
+            if build is not None:
+                self.buffers.store.write_all(layer, hw[i], None if anchor is None else anchor[i])
+            if not refreshes:
                 continue
             positions = centroid_pos[i] if self.sel.config.proxy_rope else None
             q = ops.project_queries(layer, centroids[i], positions, meter)
@@ -249,6 +283,19 @@ class PolestarMembers(MemberStrategy):
 
     def slots(self, rows: torch.Tensor) -> torch.Tensor:
         return self.row_slot[rows]
+
+    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, packet: Packet | None,
+                    meter) -> tuple[torch.Tensor, Packet] | None:
+        """A middle layer with a packet as one region (:class:`~polestar.policies.polestar_update.UpdateLayer`) in
+        a whole-step compile; None elsewhere (the calls below)."""
+        update, ops = self.buffers.update, self.ops
+        if (packet is None or update is None or self.cache.position_rope is None
+                or not update.applies(layer, ops.spec.n_layers)):
+            return None
+        out, members_out, rows, valid = update(
+            layer, h, index, rope, self.cache, ops.layer_weights(layer), packet, self.buffers, self.window.valid,
+            self.row_slot, self.proxy_slots, self.due, self.local.key_rope, meter, ops.layer_bytes(layer))
+        return out, Packet(rows, valid, members_out)
 
     def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
         """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""

@@ -47,6 +47,7 @@ from polestar.state import DecodeState, StepPosition
 from polestar.streams import SideStream
 
 from .polestar_hooks import PolestarBuildHook, PolestarMembers
+from .polestar_update import BuildLayer, UpdateLayer
 from .refresh_basic import block_plan, block_start_plan
 from .row_store import RowStore
 from .sparse_update import SparseUpdate, Window, make_window
@@ -289,6 +290,10 @@ class WindowBuffers:
     counts: tuple[torch.Tensor, ...]
     centroid_pos: tuple[torch.Tensor, ...]
     prev: tuple[torch.Tensor, ...]
+    #: a sparse-update step's middle layers as one region (None where the stages or stores cannot run in one)
+    update: UpdateLayer | None = None
+    #: a block start's layers as regions (None where the stages or stores cannot run in one)
+    build: BuildLayer | None = None
 
     @classmethod
     def allocate(cls, sel: PolestarRefresh, state: DecodeState, model, n_pre: int, n_post: int) -> WindowBuffers:
@@ -303,10 +308,14 @@ class WindowBuffers:
         def zeros(*shape, dt=dtype):
             return tuple(torch.zeros(*shape, dtype=dt, device=device) for _ in range(L))
 
-        return cls(parts, RowStore(*args, spec.d_model, device, dtype),
-                   RowStore(*args, spec.n_heads * spec.head_dim, device, dtype), keys,
-                   zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long), zeros(B, K, dt=torch.long),
-                   zeros(B, K, dt=torch.long), zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32))
+        store = RowStore(*args, spec.d_model, device, dtype)
+        qstore = RowStore(*args, spec.n_heads * spec.head_dim, device, dtype)
+        usable = UpdateLayer.usable(sel, store, qstore)
+        update = UpdateLayer(sel, store, qstore, spec, n) if usable else None
+        build = BuildLayer(store, qstore, spec) if usable else None
+        return cls(parts, store, qstore, keys, zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long),
+                   zeros(B, K, dt=torch.long), zeros(B, K, dt=torch.long),
+                   zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32), update, build)
 
 
 @attrs.define

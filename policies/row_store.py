@@ -61,6 +61,19 @@ class RowStore:
             payload = payload - kept
         self._put(layer, self._all_rows, payload)
 
+    def written_all(self, stored: tuple[torch.Tensor, ...], kept: torch.Tensor | None, values: torch.Tensor,
+                    anchor: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """:meth:`write_all` as a pure function of one layer's ``stored`` leaves and anchor buffer ``kept
+        [B, n_rows + 1, dim]`` (None for a lossless store) → the new leaves and anchor buffer (for a layer region;
+        the caller sets the layer's ``anchored`` flag as :meth:`write_all` does)."""
+        payload = values.to(self.dtype)
+        if anchor is not None and not self.quant.lossless:
+            first = anchor.to(kept.dtype)
+            kept = torch.cat([first, kept[:, self.n_rows:]], dim=1)
+            payload = payload - first
+        rows = torch.arange(self.n_rows, device=payload.device).expand(payload.shape[0], -1)
+        return self.offload.with_rows(stored, rows, self.quant.to_leaves(self.quant.encode(payload.contiguous()))), kept
+
     def read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Decode rows ``rows [B, M]`` (long in ``[0, n_rows]``; ``n_rows`` is the trash row, meaningless values) of
         ``layer`` → ``[B, M, dim]`` in ``dtype`` on the compute device. Only those rows are gathered and decoded."""
@@ -75,11 +88,32 @@ class RowStore:
     def write(self, layer: int, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> None:
         """Re-encode and store ``values [B, M, dim]`` at ``rows [B, M]`` where ``valid [B, M]``; invalid slots go to
         the trash row, so every other row keeps its encoded bytes."""
+        rows, leaves = self._encoded(rows, valid, values, self.anchor[layer] if self.anchored[layer] else None)
+        self.offload.write_rows(self.stored[layer], rows, leaves)
+
+    def written(self, stored: tuple[torch.Tensor, ...], anchor: torch.Tensor | None, rows: torch.Tensor,
+                valid: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`write` as a pure function of one layer's ``stored`` leaves (and its ``anchor [B, n_rows + 1, dim]``
+        where the layer is anchored, else None): → the new leaves, nothing written in place (for a layer region,
+        which may not write its inputs). Only for an offloader that keeps rows on the device
+        (:attr:`~polestar.policies.offload.Offloader.on_device`)."""
+        rows, leaves = self._encoded(rows, valid, values, anchor)
+        return self.offload.with_rows(stored, rows, leaves)
+
+    def _encoded(self, rows, valid, values, anchor):
+        """Rows to write (invalid ones sent to the trash row) and the leaves of ``values`` encoded (residuals to
+        ``anchor`` where given)."""
         rows = torch.where(valid, rows, self.n_rows)
         payload = values.to(self.dtype)
-        if self.anchored[layer]:
-            payload = payload - gather_rows(self.anchor[layer], rows)
-        self._put(layer, rows, payload)
+        if anchor is not None:
+            payload = payload - gather_rows(anchor, rows)
+        return rows, self.quant.to_leaves(self.quant.encode(payload.contiguous()))
+
+    def read_leaves(self, stored: tuple[torch.Tensor, ...], anchor: torch.Tensor | None,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`read` of one layer's ``stored`` leaves given as tensors (with its ``anchor`` where the layer is
+        anchored, else None) → ``[B, M, dim]``: for a layer region, which takes the leaves as arguments."""
+        return _read_rows(self.quant, self.offload, self.dim, self.dtype, self.device, rows, anchor, stored)
 
     def read_all(self, layer: int) -> torch.Tensor:
         """Every row of ``layer`` decoded: ``[B, n_rows, dim]`` (for tests and debugging)."""
@@ -88,6 +122,12 @@ class RowStore:
     def _put(self, layer: int, rows: torch.Tensor, payload: torch.Tensor) -> None:
         leaves = self.quant.to_leaves(self.quant.encode(payload.contiguous()))
         self.offload.write_rows(self.stored[layer], rows, leaves)
+
+    @property
+    def regional(self) -> bool:
+        """Whether this store's reads and writes may run inside a layer region: the package's own traceable stages,
+        rows kept on the device (:meth:`written`)."""
+        return self._readers is not None and self.offload.on_device
 
 
 def _read_rows(quant, offload, dim: int, dtype, device, rows: torch.Tensor, anchor: torch.Tensor | None,

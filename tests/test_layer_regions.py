@@ -42,11 +42,13 @@ def _graph_shape(policy: str, layers: int) -> tuple[int, collections.Counter, co
 @pytest.mark.parametrize("policy", [pytest.param(p, marks=[] if p == "fast-dllm" else pytest.mark.slow)
                                     for p in POLICIES])
 def test_step_graphs_and_compiled_regions_do_not_depend_on_depth(policy):
-    n2, regions2, calls2 = _graph_shape(policy, 2)
-    n4, regions4, calls4 = _graph_shape(policy, 4)
-    assert n2 == n4  # one graph per step phase, whatever the depth
-    assert regions2 == regions4  # the regions each graph compiles: the same few at any depth
-    assert sum(calls4.elements()) > sum(calls2.elements())  # ... called once more per layer
+    """From 3 layers on (a first layer, a middle one, a last one: Polestar's update step runs its middle layers as
+    a region of their own), more layers mean more calls of the same regions, not more regions or graphs."""
+    n3, regions3, calls3 = _graph_shape(policy, 3)
+    n5, regions5, calls5 = _graph_shape(policy, 5)
+    assert n3 == n5  # one graph per step phase, whatever the depth
+    assert regions3 == regions5  # the regions each graph compiles: the same few at any depth
+    assert sum(calls5.elements()) > sum(calls3.elements())  # ... called once more per layer
 
 
 @pytest.mark.slow

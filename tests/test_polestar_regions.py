@@ -1,0 +1,72 @@
+"""Polestar's block-start and sparse-update layers as regions of their own in a whole-step compile
+(``polestar.policies.polestar_update``): the same tokens and counters as the hook path that eager steps run, for
+every route through them (lossless and lossy stores, un-rotated and rotated proxies, layers clustered together or
+one by one, both families; each a whole-step compile, so the full suite runs them), and a step graph that grows by a few region calls and write-backs per layer instead of
+the layer's own operations."""
+
+import collections
+
+import pytest
+import torch
+
+import polestar
+from polestar.testing import tiny_model
+
+PROMPTS = [[5, 17, 3, 8, 9, 1, 2], [9, 1, 22, 30, 4, 11, 2]]
+DECODE = dict(policy="polestar", gen_length=32, block_length=8)
+
+
+def _decode(family: str, layers: int, compile, **overrides):
+    torch._dynamo.reset()
+    model = tiny_model(family, seed=3, n_layers=layers)
+    return polestar.generate(model, PROMPTS, compile=compile, **DECODE, **overrides)
+
+
+def _counters(out):
+    s = out.stats
+    return (s.nfe, s.tokens, s.token_layer_evals, s.weight_bytes, s.kv_bytes, s.proxy_query_evals,
+            [(q.nfe, q.tokens, q.token_layer_evals) for q in s.sequences])
+
+
+ROUTES = [
+    pytest.param("llada", {}, id="llada"),
+    pytest.param("dream", {}, id="dream", marks=pytest.mark.slow),
+    pytest.param("llada", {"quant": "nvfp4"}, id="lossy-store", marks=pytest.mark.slow),
+    pytest.param("llada", {"refresh.proxy_rope": True}, id="rotated-proxies", marks=pytest.mark.slow),
+    pytest.param("llada", {"refresh.cluster_layers_together": False}, id="clustered-per-layer",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,overrides", ROUTES)
+def test_a_whole_step_compile_with_the_layer_regions_equals_the_eager_hook_path(family, overrides):
+    eager = _decode(family, 4, False, **overrides)
+    compiled = _decode(family, 4, "aot_eager", **overrides)
+    assert compiled.stats.compiled_steps > 0
+    assert torch.equal(eager.tokens, compiled.tokens)
+    assert _counters(eager) == _counters(compiled)
+
+
+def _nodes_per_graph(layers: int) -> list[collections.Counter]:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(collections.Counter(n.op for n in gm.graph.nodes))
+        return gm.forward
+
+    _decode("llada", layers, backend)
+    return graphs
+
+
+@pytest.mark.slow
+def test_each_layer_adds_region_calls_and_write_backs_to_a_step_graph_not_its_operations():
+    """Per extra layer, every Polestar step graph (block starts, updates, plain steps) grows by the layer's inputs
+    (weights, K/V, stores, clusters), a region call or two, their outputs and the buffers they rewrote copied back:
+    at most 45 nodes (the hook path unrolled 67 per block-start layer and 89 per update layer)."""
+    shallow, deep = _nodes_per_graph(4), _nodes_per_graph(6)
+    assert len(shallow) == len(deep)
+    per_layer = [(sum(d.values()) - sum(s.values())) / 2 for s, d in zip(shallow, deep)]
+    assert max(per_layer) <= 45, per_layer
+    calls = [(d["call_function"] - s["call_function"]) / 2 for s, d in zip(shallow, deep)]
+    assert max(calls) <= 22, calls  # region calls, their outputs, write-backs
