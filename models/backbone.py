@@ -391,6 +391,10 @@ class DiffusionLM(nn.Module):
 
         Returns the plan rows' outputs ``[B, C, d]`` and the probed attention ``[B, H, R, T+1]`` (or None).
         """
+        if probe_rows is None and hasattr(hook, "whole_layer"):
+            out = hook.whole_layer(layer, h, index, rope, meter)
+            if out is not None:
+                return out, None
         features = hook.features(layer, h, meter) if hasattr(hook, "features") else None
         if features is not None:
             if probe_rows is not None:
@@ -400,10 +404,6 @@ class DiffusionLM(nn.Module):
         B, C, _ = h.shape
         if hook is None and probe_rows is None:
             return self._plain_step(layer, h, index, rope, cache, meter), None
-        if probe_rows is None and hasattr(hook, "whole_layer"):
-            out = hook.whole_layer(layer, h, index, rope, meter)
-            if out is not None:
-                return out, None
         extra = hook.extra_rows(layer, h, meter) if hook is not None else None
         rows, kv_index = h, index
         if extra is not None:

@@ -31,6 +31,7 @@ from attrs import validators as v
 
 from polestar.models.backbone import CachedFeatures
 from polestar.models.layer_ops import LayerOps
+from polestar.models import layer_regions
 from polestar.models.layer_regions import StageRegion
 from polestar.models.plan import DecodeCache, Plan
 from polestar.registry import register
@@ -133,6 +134,28 @@ class _FeatureHook(LayerHook):
         self.computed.append(rows)
         return CachedFeatures(rows, self.local.attn[layer], self.local.mlp[layer])
 
+    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter) -> torch.Tensor | None:
+        """A layer with the value pick as one region (:func:`pick_layer`) in a whole-step compile; None elsewhere
+        (eager steps and ``compile="layers"`` write the buffers in place through :meth:`features`), while an
+        observer records, and where the layer recomputes nothing."""
+        P, B, spec = self.state.prompt_len, self.state.batch_size, self.ops.spec
+        if (layer == 0 or self.response or not self.transfer or self.state.detail is not None
+                or (self.n_pick == 0 and not (self.prompt and P > 0))
+                or layer_regions.active() is not layer_regions.NESTED):
+            return None
+        base = (self.arange[:P] if self.prompt else self.arange[:0]).expand(B, -1)
+        buffers = (self.cache.k[layer], self.cache.v[layer], self.local.attn[layer], self.local.mlp[layer])
+        out, rows, *new = _PICK_LAYER(
+            self.config.similarity_grid, self.n_pick, P, h, base, index, rope.cos, rope.sin, self.cache.key_valid,
+            *buffers, *self.ops.layer_weights(layer), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+        for kept, fresh in zip(buffers, new):
+            kept.copy_(fresh)
+        self.computed.append(rows)
+        counted, G = self.ops.layer_bytes(layer), self.state.length - P
+        meter.add(counted.attn_norm + counted.v + counted.qkv_pass + counted.out_mlp_pass,
+                  buffers[0].nbytes + buffers[1].nbytes, B * rows.shape[1], B * G)
+        return out
+
     def _value_pick(self, layer: int, h: torch.Tensor, meter) -> torch.Tensor:
         """The ``n_pick`` response rows ``[B, n_pick]`` (offsets from ``P``, least similar first) whose values,
         projected from their current inputs ``h[:, P:]``, are least cosine-similar to the layer's cached values;
@@ -157,6 +180,35 @@ def least_similar(fresh: torch.Tensor, cached: torch.Tensor, grid: float, n_pick
     if grid > 0:
         return torch.round(sim.double() / grid).argsort(dim=1, stable=True)[:, :n_pick]
     return sim.topk(n_pick, dim=1, largest=False).indices
+
+
+def pick_layer(grid: float, n_pick: int, P: int, h, base_rows, index, cos, sin, key_valid, keys, values, attn, mlp,
+               attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias,
+               down, down_bias, eps: float, n_heads: int, n_kv_heads: int):
+    """A layer with the value pick, whole, as a pure function (what :meth:`_FeatureHook.features`, the value pick
+    and the backbone's feature-cached pass do with in-place writes): the response rows' values projected from
+    ``h[:, P:]`` (the fused q/k/v weight's value rows), the ``n_pick`` least similar to the cached ones picked
+    (:func:`least_similar`), every response value replaced by its fresh one, then the layer's pass over
+    ``base_rows [B, R0]`` and the picked rows (:func:`~polestar.models.layer_regions.feature_layer`) → ``(out
+    [B, T, d], rows [B, R0 + n_pick], keys, values, attn, mlp)``, every buffer a new tensor."""
+    B, T = h.shape[0], attn.shape[1]
+    hd = cos.shape[-1]
+    lo = (n_heads + n_kv_heads) * hd
+    v_rows = slice(lo, lo + n_kv_heads * hd)
+    fresh = layer_regions.project_rows(h[:, P:], attn_norm, attn_norm_bias, qkv[v_rows],
+                                       None if qkv_bias is None else qkv_bias[v_rows], eps)
+    fresh = fresh.view(B, T - P, n_kv_heads, hd).transpose(1, 2)
+    pick = least_similar.fn(fresh, values[:, :, P:T], grid, n_pick)
+    values = torch.cat([values[:, :, :P], fresh.to(values.dtype), values[:, :, T:]], dim=2)
+    rows = torch.cat([base_rows, P + pick], dim=1)
+    out, keys, values, attn, mlp = layer_regions.feature_layer(
+        h, rows, index, cos, sin, key_valid, keys, values, attn, mlp, attn_norm, attn_norm_bias, qkv, qkv_bias, o,
+        o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps, n_heads, n_kv_heads)
+    return out, rows, keys, values, attn, mlp
+
+
+#: :func:`pick_layer` as a nested compile region (a whole-step compile traces it once for every layer)
+_PICK_LAYER = layer_regions.region(pick_layer)
 
 
 def _heads_last(v: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ refresh, the prompt refresh with the value pick, the value pick alone, ratio 0 a
 decoding on both model families; and the value pick itself (a changed value is picked, unchanged ones are not).
 """
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -143,3 +144,23 @@ def test_the_value_pick_takes_the_changed_values_and_no_unchanged_one(seed, rati
         assert torch.equal(cache.v[layer][:, :, P:T], fresh)
     finally:
         release_generation(gen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,overrides", [("llada", {}), ("dream", {}), ("llada", {"refresh.prompt_interval": 3})],
+                         ids=["llada", "dream", "prompt-refreshes"])
+def test_a_whole_step_compile_runs_the_value_pick_layers_as_one_region_each_and_equals_eager(family, overrides):
+    """In a whole-step graph a layer with the value pick is one region (``refresh_dllm.pick_layer``: values
+    projected, pick, value replacement and the feature-cached pass, buffers written back): the same tokens and
+    counters as the eager hook path, with and without prompt refreshes among those layers."""
+    outs = []
+    for compile in (False, "aot_eager"):
+        torch._dynamo.reset()
+        model = make_model(family, seed=3, n_layers=4)
+        outs.append(polestar.generate(model, [[5, 17, 3, 8, 9, 1, 2], [9, 1, 22, 30, 4, 11, 2]], policy="dllm-cache",
+                                      compile=compile, gen_length=32, block_length=8, **overrides))
+    eager, compiled = outs
+    assert compiled.stats.compiled_steps > 0
+    assert torch.equal(eager.tokens, compiled.tokens)
+    untimed = dict(wall_s=0.0, compile_s=0.0, compiled_steps=0)
+    assert attrs.evolve(eager.stats, **untimed) == attrs.evolve(compiled.stats, **untimed)
