@@ -54,7 +54,8 @@ from polestar.kernels.proxy_attention import proxy_attention
 from polestar.models.backbone import LayerQKV
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layer_regions import StageRegion
+from polestar.models import layer_regions
+from polestar.models.layer_regions import StageRegion, attend_mlp, qkv_rows
 from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
@@ -315,6 +316,61 @@ def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor,
     return (cos * weight).sum(dim=(1, 2)) / weight.sum(dim=(1, 2)).clamp_min(1.0)
 
 
+def _tracked_layer(h, index, cos, sin, key_valid, keys, values, attn_norm, attn_norm_bias, qkv, qkv_bias, o,
+                   o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, q_layer, window_slots,
+                   region_valid, masked, track, keep, eps: float, n_heads: int, n_kv_heads: int, scale: float,
+                   track_num: int, length: int):
+    """A layer of an Elastic-Cache forward without the trigger test, whole, as a pure function (what
+    :meth:`_TrackPass.members` and the backbone's layer pass do with in-place writes): q/k/v of the plan rows with
+    their K/V written, their queries stored in ``q_layer [B, H, T + 1, hd]``, the layer's tracked tokens ``track
+    [B, track_num]`` re-picked in the rows ``keep [B]`` (:func:`retracked`), then attention, o and the MLP →
+    ``(out [B, C, d], keys, values, q_layer, track)``, every buffer a new tensor."""
+    hd = cos.shape[-1]
+    qk, proj = qkv_rows(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
+    q = qk[:, :, :n_heads].transpose(1, 2)
+    slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
+    keys = keys.scatter(2, slot, qk[:, :, n_heads:].transpose(1, 2))
+    values = values.scatter(2, slot, proj[:, :, n_heads + n_kv_heads:].transpose(1, 2))
+    q_layer = q_layer.scatter(2, index[:, None, :, None].expand(-1, n_heads, -1, hd), q.to(q_layer.dtype))
+    track = retracked.fn(q, window_slots, keys, key_valid, region_valid, masked, track, keep, scale, track_num, length)
+    out = attend_mlp(q, h, keys, values, key_valid, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down,
+                     down_bias, eps)
+    return out, keys, values, q_layer, track
+
+
+def _checked_layer(h, index, cos, sin, key_valid, keys, values, attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias,
+                   mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, q_layer, window_slots,
+                   region_valid, masked, track, active, track_pos, tracked_slots, track_valid, fired, layer_id,
+                   eps: float, n_heads: int, n_kv_heads: int, scale: float, track_num: int, length: int, gamma: float,
+                   n_layers: int):
+    """A layer of a ``cached`` forward with the trigger test, whole, as a pure function (what
+    :meth:`_CachedPass.extra_rows`, :meth:`_TrackPass.members` and the backbone's layer pass do with in-place
+    writes): the tracked tokens' attention as it was (their stored queries at ``track_pos [B, K]`` over the keys
+    before this layer's writes), then :func:`_tracked_layer`'s work with the trigger test (:func:`triggered`, the
+    tracked tokens at plan slots ``tracked_slots``) between the query store and the re-pick (in the ``active``
+    rows) → ``(out, keys, values, q_layer, track, fired [B])``, every buffer a new tensor."""
+    hd = cos.shape[-1]
+    past_q = q_layer.gather(2, track_pos[:, None, :, None].expand(-1, n_heads, -1, hd))
+    old = proxy_attention(past_q, keys, key_valid, scale)
+    qk, proj = qkv_rows(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
+    q = qk[:, :, :n_heads].transpose(1, 2)
+    slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
+    keys = keys.scatter(2, slot, qk[:, :, n_heads:].transpose(1, 2))
+    values = values.scatter(2, slot, proj[:, :, n_heads + n_kv_heads:].transpose(1, 2))
+    q_layer = q_layer.scatter(2, index[:, None, :, None].expand(-1, n_heads, -1, hd), q.to(q_layer.dtype))
+    fired, _sim = triggered.fn(q, tracked_slots, keys, key_valid, old, track_valid, fired, active, layer_id, scale,
+                               gamma, n_layers)
+    track = retracked.fn(q, window_slots, keys, key_valid, region_valid, masked, track, active, scale, track_num,
+                         length)
+    out = attend_mlp(q, h, keys, values, key_valid, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down,
+                     down_bias, eps)
+    return out, keys, values, q_layer, track, fired
+
+
+#: the two layer forms as nested compile regions (a whole-step compile traces each once for every layer)
+_TRACKED_LAYER, _CHECKED_LAYER = layer_regions.region(_tracked_layer), layer_regions.region(_checked_layer)
+
+
 @attrs.define
 class ElasticState:
     """Per-generation state of :class:`ElasticCacheRefresh` (preallocated, written in place): ``q``: per layer (a tuple
@@ -355,6 +411,40 @@ class _TrackPass(LayerHook):
     def retrack_rows(self, layer: int) -> torch.Tensor:
         """``[B]`` bool: rows whose window rows this layer computed."""
         return self.state.active
+
+    def checks(self, layer: int) -> bool:
+        """Whether ``layer`` runs the trigger test (:meth:`check`)."""
+        return False
+
+    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter) -> torch.Tensor | None:
+        """The layer as one region (:func:`_tracked_layer`, or :func:`_checked_layer` with the trigger test) in a
+        whole-step compile, the buffers it rewrote copied back; None while an observer records and outside a
+        whole-step compile (eager steps and ``compile="layers"`` write in place through the calls below)."""
+        if self.detail is not None or layer_regions.active() is not layer_regions.NESTED:
+            return None
+        local, cache, state, spec = self.local, self.cache, self.state, self.ops.spec
+        keys, values, q_layer, track = cache.k[layer], cache.v[layer], local.q[layer], local.track[layer]
+        common = (h, index, rope.cos, rope.sin, cache.key_valid, keys, values, *self.ops.layer_weights(layer),
+                  q_layer, self.window_slots(layer), state.region_valid, self.masked, track)
+        sizes = (spec.norm_eps, spec.n_heads, spec.n_kv_heads, self.scale, self.sel.config.track_num, state.length)
+        B, C = index.shape
+        key_bytes = keys.nbytes
+        if self.checks(layer):
+            tracked = self.tracked_slots(layer)
+            # a region refuses one tensor given twice: above layer 0 of a ``fire0`` step the slots are the positions
+            tracked = tracked.clone() if tracked is self.track_pos else tracked
+            out, *new = _CHECKED_LAYER(*common, state.active, self.track_pos, tracked, self.track_valid, local.fired,
+                                       local.layer_ids[layer], *sizes, self.sel.config.gamma, state.n_layers)
+            buffers, probe_rows, key_reads = (keys, values, q_layer, track, local.fired), B * self.track_pos.shape[1], 3
+        else:
+            out, *new = _TRACKED_LAYER(*common, self.retrack_rows(layer), *sizes)
+            buffers, probe_rows, key_reads = (keys, values, q_layer, track), 0, 1
+        for kept, fresh in zip(buffers, new):
+            kept.copy_(fresh)
+        counted = self.ops.layer_bytes(layer)
+        meter.add(counted.qkv_pass + counted.out_mlp_pass, key_bytes * (key_reads + 1) + values.nbytes, B * C,
+                  probe_rows)
+        return out
 
     def check(self, layer: int, qkv: LayerQKV) -> None:
         """The trigger test (``cached`` steps only)."""
@@ -397,6 +487,9 @@ class _CachedPass(_TrackPass):
 
     def window_slots(self, layer: int) -> torch.Tensor:
         return self.window0 if layer == 0 else self.plan.target_offset
+
+    def checks(self, layer: int) -> bool:
+        return not (layer == 0 and self.skip0)
 
     def tracked_slots(self, layer: int) -> torch.Tensor:
         """``[B, K]``: the tracked tokens' plan slots at ``layer`` (above layer 0 a ``fire0`` step's slot is the

@@ -7,6 +7,7 @@ Generation 32 with windows of 8 (and one window over the whole generation) keeps
 side-by-side with the released code itself (100 arith problems per setting) is in docs/results.md.
 """
 
+import attrs
 import pytest
 import torch
 
@@ -197,3 +198,23 @@ def test_the_window_is_each_rows_first_masked_positions_and_stops_at_the_first_e
     state.schedule.advance(state, torch.zeros(2, 3, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.long),
                            torch.tensor([0]))
     assert state.schedule.work(state, torch.zeros(2, dtype=torch.bool)).tolist() == [False]
+
+
+@pytest.mark.slow
+def test_a_whole_step_compile_runs_each_layer_as_one_region_and_equals_eager_in_every_step_kind():
+    """In a whole-step graph each Elastic-Cache layer is one region (``_tracked_layer``, or ``_checked_layer`` with
+    the trigger test; the buffers it rewrote copied back): on the noisy checkpoint's four layers three arith prompts
+    meet a batch start, cached steps, a fire at layer 0 and a rerun from a layer above, and the tokens and counters
+    equal eager decoding."""
+    model = polestar.load("tiny-llada-noisy", dtype=torch.float32)
+    arith = ["arith:7-7-7-5*5*0=", "arith:4+6=", "arith:3+4*2-5="]
+    kw = dict(policy="elastic-cache", gen_length=32, block_length=8, gamma=0.95, threshold=0.9, window_length=8)
+    outs = []
+    for compile in (False, "aot_eager"):
+        torch._dynamo.reset()
+        outs.append(polestar.generate(model, arith, compile=compile, **kw))
+    eager, compiled = outs
+    assert compiled.stats.compiled_steps > 0
+    assert torch.equal(eager.tokens, compiled.tokens)
+    untimed = dict(wall_s=0.0, compile_s=0.0, compiled_steps=0)
+    assert attrs.evolve(eager.stats, **untimed) == attrs.evolve(compiled.stats, **untimed)
