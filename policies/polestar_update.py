@@ -91,8 +91,8 @@ class UpdateLayer:
                attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias,
                down, down_bias, p_rows, p_valid, p_out, centroids, labels, counts, centroid_pos, prev, window_valid,
                row_slot, proxy_slots, due, key_cos, key_sin, *leaves):
-        """The layer (module docstring, steps 1–4) → ``(out [B, C, d], members' out [B, M, d], rows, valid [B, M], keys, values,
-        centroids, prev, *store leaves, *query-store leaves)``, every buffer a new tensor."""
+        """The layer (module docstring, steps 1–4) → ``(out [B, C, d], members' out [B, M, d], rows, valid [B, M],
+        keys, values, centroids, prev, *store leaves, *query-store leaves)``, every buffer a new tensor."""
         spec, store, qstore = self.spec, self.store, self.qstore
         H, Hkv, hd, eps = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.norm_eps
         anchor = leaves[0] if anchored else None
@@ -153,10 +153,10 @@ class UpdateLayer:
         # layer 0's hook path gives ``h`` and the packet as views of one output: the packet copied (a region refuses
         # aliased arguments) and ``h`` made contiguous (as the region's own outputs are, so one trace serves all)
         out, members_out, rows, valid, *new = self._regions[anchored](
-            h.contiguous(), index, rope.cos, rope.sin, table.cos, table.sin, cache.positions, cache.key_valid, keys, values,
-            *weights, packet.rows, packet.valid, packet.out.clone(), centroids, buffers.labels[layer], buffers.counts[layer],
-            buffers.centroid_pos[layer], prev, window_valid, row_slot, proxy_slots, due, key_cos, key_sin, *anchor,
-            *stored, *qstored)
+            h.contiguous(), index, rope.cos, rope.sin, table.cos, table.sin, cache.positions, cache.key_valid, keys,
+            values, *weights, packet.rows, packet.valid, packet.out.clone(), centroids, buffers.labels[layer],
+            buffers.counts[layer], buffers.centroid_pos[layer], prev, window_valid, row_slot, proxy_slots, due, key_cos,
+            key_sin, *anchor, *stored, *qstored)
         for kept, fresh in zip((keys, values, centroids, prev, *stored, *qstored), new):
             kept.copy_(fresh)
         B, C = index.shape

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from attrs import validators as v
 
+from polestar.models import layer_regions
 from polestar.models.backbone import CachedFeatures
 from polestar.models.layer_ops import LayerOps
-from polestar.models import layer_regions
 from polestar.models.layer_regions import StageRegion
 from polestar.models.plan import DecodeCache, Plan
 from polestar.registry import register

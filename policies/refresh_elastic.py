@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from attrs import validators as v
 
 from polestar.kernels.proxy_attention import proxy_attention
+from polestar.models import layer_regions
 from polestar.models.backbone import LayerQKV
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.layer_ops import LayerOps
-from polestar.models import layer_regions
 from polestar.models.layer_regions import StageRegion, attend_mlp, qkv_rows
 from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan

@@ -1,8 +1,8 @@
 """Polestar's block-start and sparse-update layers as regions of their own in a whole-step compile
 (``polestar.policies.polestar_update``): the same tokens and counters as the hook path that eager steps run, for
 every route through them (lossless and lossy stores, un-rotated and rotated proxies, layers clustered together or
-one by one, both families; each a whole-step compile, so the full suite runs them), and a step graph that grows by a few region calls and write-backs per layer instead of
-the layer's own operations."""
+one by one, both families; each a whole-step compile, so the full suite runs them), and a step graph that grows
+by a few region calls and write-backs per layer instead of the layer's own operations."""
 
 import collections
 
