@@ -310,7 +310,8 @@ class DiffusionLM(nn.Module):
         h = None
         if plan.first_layer > 0 and not plan.per_layer:
             raise ValueError("a plan that starts above layer 0 must be per layer")
-        shared = None if plan.per_layer else torch.where(plan.valid, plan.index, trash)
+        per_layer = plan.per_layer  # read once: a compiled step traces this loop's body once per layer
+        shared = None if per_layer else torch.where(plan.valid, plan.index, trash)
         rope = None if shared is None else self.rope_of(cache, cache.positions.gather(1, shared))
         for layer in range(plan.first_layer, spec.n_layers):
             if shared is None:
@@ -323,13 +324,13 @@ class DiffusionLM(nn.Module):
                 tokens = torch.cat([ids, ids[:, :1]], dim=1).gather(1, index)
                 h = self.embed(tokens)
                 meter.embedding(self.embedding_weight(), tokens.numel())
-            elif plan.per_layer:
+            elif per_layer:
                 if cache.hidden is None:
                     raise ValueError("a per-layer plan needs a cache made with store_hidden=True")
                 if prev_index is not None:
                     _scatter_rows(cache.hidden[layer], prev_index, h)
                 h = cache.hidden[layer].gather(1, index[..., None].expand(-1, -1, spec.d_model))
-            if cache.hidden is not None and (layer == 0 or not plan.per_layer):
+            if cache.hidden is not None and (layer == 0 or not per_layer):
                 _scatter_rows(cache.hidden[layer], index, h)
             want_probe = probe is not None and probe.layer == layer
             h, probs = self.layer_step(layer, h, index, rope, cache, probe.rows if want_probe else None, hook, meter)
@@ -391,6 +392,8 @@ class DiffusionLM(nn.Module):
 
         Returns the plan rows' outputs ``[B, C, d]`` and the probed attention ``[B, H, R, T+1]`` (or None).
         """
+        if hook is None and probe_rows is None:
+            return self._plain_step(layer, h, index, rope, cache, meter), None
         if probe_rows is None and hasattr(hook, "whole_layer"):
             out = hook.whole_layer(layer, h, index, rope, meter)
             if out is not None:
@@ -402,8 +405,6 @@ class DiffusionLM(nn.Module):
             return self._feature_step(layer, h, index, rope, cache, hook, meter, features), None
         spec = self.spec
         B, C, _ = h.shape
-        if hook is None and probe_rows is None:
-            return self._plain_step(layer, h, index, rope, cache, meter), None
         extra = hook.extra_rows(layer, h, meter) if hook is not None else None
         rows, kv_index = h, index
         if extra is not None:
@@ -445,10 +446,8 @@ class DiffusionLM(nn.Module):
             h, index, rope.cos, rope.sin, cache.key_valid, keys, values, w.attn_norm, w.attn_norm_bias, w.qkv,
             w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias,
             spec.norm_eps, spec.n_heads, spec.n_kv_heads)
-        meter.read(self._layer_bytes[layer].qkv_pass)
-        meter.rows(layer_rows=h.shape[0] * h.shape[1])
-        meter.attention(keys, values)
-        self._count_out_mlp(layer, meter)
+        counted = self._layer_bytes[layer]  # one meter call: each call a compiled step traces at every layer
+        meter.add(counted.qkv_pass + counted.out_mlp_pass, keys.nbytes + values.nbytes, h.shape[0] * h.shape[1])
         return out
 
     def _feature_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, hook: LayerHook, meter: CostMeter,
@@ -467,10 +466,8 @@ class DiffusionLM(nn.Module):
                 h, rows, index, rope.cos, rope.sin, cache.key_valid, keys, values, features.attn, features.mlp,
                 w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias,
                 w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps, spec.n_heads, spec.n_kv_heads)
-            meter.read(self._layer_bytes[layer].qkv_pass)
-            self._count_out_mlp(layer, meter)
-            meter.rows(layer_rows=B * R)
-            meter.attention(keys, values)
+            counted = self._layer_bytes[layer]
+            meter.add(counted.qkv_pass + counted.out_mlp_pass, keys.nbytes + values.nbytes, B * R)
             return out
         return (h + features.attn) + features.mlp
 
