@@ -316,6 +316,20 @@ def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor,
     return (cos * weight).sum(dim=(1, 2)) / weight.sum(dim=(1, 2)).clamp_min(1.0)
 
 
+def _projected(h, index, cos, sin, keys, values, q_layer, attn_norm, attn_norm_bias, qkv, qkv_bias, eps: float,
+               n_heads: int, n_kv_heads: int):
+    """The plan rows' q/k/v (one matmul, rotated), their K/V written at ``index [B, C]`` and their queries into
+    ``q_layer [B, H, T + 1, hd]``, as new tensors → ``(q [B, H, C, hd], keys, values, q_layer)``."""
+    hd = cos.shape[-1]
+    qk, proj = qkv_rows(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
+    q = qk[:, :, :n_heads].transpose(1, 2)
+    slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
+    keys = keys.scatter(2, slot, qk[:, :, n_heads:].transpose(1, 2))
+    values = values.scatter(2, slot, proj[:, :, n_heads + n_kv_heads:].transpose(1, 2))
+    q_layer = q_layer.scatter(2, index[:, None, :, None].expand(-1, n_heads, -1, hd), q.to(q_layer.dtype))
+    return q, keys, values, q_layer
+
+
 def _tracked_layer(h, index, cos, sin, key_valid, keys, values, attn_norm, attn_norm_bias, qkv, qkv_bias, o,
                    o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, q_layer, window_slots,
                    region_valid, masked, track, keep, eps: float, n_heads: int, n_kv_heads: int, scale: float,
@@ -325,13 +339,8 @@ def _tracked_layer(h, index, cos, sin, key_valid, keys, values, attn_norm, attn_
     their K/V written, their queries stored in ``q_layer [B, H, T + 1, hd]``, the layer's tracked tokens ``track
     [B, track_num]`` re-picked in the rows ``keep [B]`` (:func:`retracked`), then attention, o and the MLP →
     ``(out [B, C, d], keys, values, q_layer, track)``, every buffer a new tensor."""
-    hd = cos.shape[-1]
-    qk, proj = qkv_rows(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
-    q = qk[:, :, :n_heads].transpose(1, 2)
-    slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
-    keys = keys.scatter(2, slot, qk[:, :, n_heads:].transpose(1, 2))
-    values = values.scatter(2, slot, proj[:, :, n_heads + n_kv_heads:].transpose(1, 2))
-    q_layer = q_layer.scatter(2, index[:, None, :, None].expand(-1, n_heads, -1, hd), q.to(q_layer.dtype))
+    q, keys, values, q_layer = _projected(h, index, cos, sin, keys, values, q_layer, attn_norm, attn_norm_bias, qkv,
+                                          qkv_bias, eps, n_heads, n_kv_heads)
     track = retracked.fn(q, window_slots, keys, key_valid, region_valid, masked, track, keep, scale, track_num, length)
     out = attend_mlp(q, h, keys, values, key_valid, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down,
                      down_bias, eps)
@@ -352,12 +361,8 @@ def _checked_layer(h, index, cos, sin, key_valid, keys, values, attn_norm, attn_
     hd = cos.shape[-1]
     past_q = q_layer.gather(2, track_pos[:, None, :, None].expand(-1, n_heads, -1, hd))
     old = proxy_attention(past_q, keys, key_valid, scale)
-    qk, proj = qkv_rows(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
-    q = qk[:, :, :n_heads].transpose(1, 2)
-    slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
-    keys = keys.scatter(2, slot, qk[:, :, n_heads:].transpose(1, 2))
-    values = values.scatter(2, slot, proj[:, :, n_heads + n_kv_heads:].transpose(1, 2))
-    q_layer = q_layer.scatter(2, index[:, None, :, None].expand(-1, n_heads, -1, hd), q.to(q_layer.dtype))
+    q, keys, values, q_layer = _projected(h, index, cos, sin, keys, values, q_layer, attn_norm, attn_norm_bias, qkv,
+                                          qkv_bias, eps, n_heads, n_kv_heads)
     fired, _sim = triggered.fn(q, tracked_slots, keys, key_valid, old, track_valid, fired, active, layer_id, scale,
                                gamma, n_layers)
     track = retracked.fn(q, window_slots, keys, key_valid, region_valid, masked, track, active, scale, track_num,
