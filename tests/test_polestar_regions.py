@@ -13,7 +13,7 @@ import polestar
 from polestar.testing import tiny_model
 
 PROMPTS = [[5, 17, 3, 8, 9, 1, 2], [9, 1, 22, 30, 4, 11, 2]]
-DECODE = dict(policy="polestar", gen_length=32, block_length=8)
+DECODE = dict(policy="polestar", gen_length=24, block_length=8)  # block starts, updates with and without a suffix
 
 
 def _decode(family: str, layers: int, compile, **overrides):
@@ -32,9 +32,9 @@ ROUTES = [
     pytest.param("llada", {}, id="llada"),
     pytest.param("dream", {}, id="dream", marks=pytest.mark.slow),
     pytest.param("llada", {"quant": "nvfp4"}, id="lossy-store", marks=pytest.mark.slow),
-    pytest.param("llada", {"refresh.proxy_rope": True}, id="rotated-proxies", marks=pytest.mark.slow),
-    pytest.param("llada", {"refresh.cluster_layers_together": False}, id="clustered-per-layer",
-                 marks=pytest.mark.slow),
+    # the block start's hook path (clustered layer by layer, rotated centroid queries) beside the update region
+    pytest.param("llada", {"refresh.proxy_rope": True, "refresh.cluster_layers_together": False},
+                 id="rotated-proxies-clustered-per-layer", marks=pytest.mark.slow),
 ]
 
 
