@@ -128,6 +128,7 @@ class PolestarBuildHook(LayerHook):
         #: layers clustered per clusterer call when together (all of them unless that would hold too many inputs)
         self.group = sel.layers_per_cluster_call(B, window.size, ops.spec.d_model, ops.spec.n_layers)
         self.inputs: list[torch.Tensor] = []  # each layer's window inputs [B, Nw, d], kept when clustering together
+        self.build = self._build_regions()
 
     def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
         """``hw [n, B, Nw, d]`` (``n`` layers), ``keys [n, P, m]`` (one key row per layer and part, shared by the
@@ -195,7 +196,7 @@ class PolestarBuildHook(LayerHook):
 
     def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable,
                     meter) -> torch.Tensor | None:
-        build = self._build_regions()
+        build = self.build
         if build is None:
             return None
         ops = self.ops
@@ -239,7 +240,7 @@ class PolestarBuildHook(LayerHook):
         local, ops = self.local, self.ops
         first = last + 1 - len(self.inputs)
         keys = None if self.buffers.keys is None else self.buffers.keys[first : last + 1]
-        build = self._build_regions()
+        build = self.build
         hw = torch.stack(self.inputs)
         centroids, centroid_pos, anchor = self._record(first, hw, keys, store_rows=build is None)
         self.inputs.clear()
@@ -274,7 +275,11 @@ class PolestarMembers(MemberStrategy):
         self.store = buf.store
         self.trash = window.size
         self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
-        self.capacity = sel.capacities(window.size, ops.spec.n_layers)
+        self.capacity = buf.capacity
+        #: the middle layers' region where this step runs them as one (read once: the step is traced layer by layer)
+        update = buf.update
+        self.update = (update if update is not None and cache.position_rope is not None and update.applies()
+                       else None)
         self.proxy_slots = torch.full_like(buf.centroid_pos[0], cache.trash)  # centroids only query: the trash slot
         self.wants_head = sel.packet_logits
         self.x = state.x
@@ -288,9 +293,8 @@ class PolestarMembers(MemberStrategy):
                     meter) -> tuple[torch.Tensor, Packet] | None:
         """A middle layer with a packet as one region (:class:`~polestar.policies.polestar_update.UpdateLayer`) in
         a whole-step compile; None elsewhere (the calls below)."""
-        update, ops = self.buffers.update, self.ops
-        if (packet is None or update is None or self.cache.position_rope is None
-                or not update.applies(layer, ops.spec.n_layers)):
+        update, ops = self.update, self.ops
+        if update is None or packet is None or layer == ops.spec.n_layers - 1:
             return None
         out, members_out, rows, valid = update(
             layer, h, index, rope, self.cache, ops.layer_weights(layer), packet, self.buffers, self.window.valid,

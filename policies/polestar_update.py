@@ -167,10 +167,10 @@ class UpdateLayer:
         return out, members_out, rows, valid
 
     @staticmethod
-    def applies(layer: int, n_layers: int) -> bool:
-        """Whether ``layer`` runs as the region in a whole-step compile: a middle layer (it has a packet to take and
-        one to give) while a whole-step compile traces (:data:`~polestar.models.layer_regions.NESTED` active)."""
-        return 0 < layer < n_layers - 1 and layer_regions.active() is layer_regions.NESTED
+    def applies() -> bool:
+        """Whether an update step's middle layers (those with a packet to take and one to give) run as the region:
+        while a whole-step compile traces (:data:`~polestar.models.layer_regions.NESTED` active)."""
+        return layer_regions.active() is layer_regions.NESTED
 
 
 class BuildLayer:

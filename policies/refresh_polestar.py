@@ -290,6 +290,8 @@ class WindowBuffers:
     counts: tuple[torch.Tensor, ...]
     centroid_pos: tuple[torch.Tensor, ...]
     prev: tuple[torch.Tensor, ...]
+    #: each layer's member-buffer rows (:meth:`PolestarRefresh.capacities`)
+    capacity: tuple[int, ...] = ()
     #: a sparse-update step's middle layers as one region (None where the stages or stores cannot run in one)
     update: UpdateLayer | None = None
     #: a block start's layers as regions (None where the stages or stores cannot run in one)
@@ -315,7 +317,8 @@ class WindowBuffers:
         build = BuildLayer(store, qstore, spec) if usable else None
         return cls(parts, store, qstore, keys, zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long),
                    zeros(B, K, dt=torch.long), zeros(B, K, dt=torch.long),
-                   zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32), update, build)
+                   zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32), tuple(sel.capacities(n, L)), update,
+                   build)
 
 
 @attrs.define
