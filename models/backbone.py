@@ -447,7 +447,7 @@ class DiffusionLM(nn.Module):
             w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias,
             spec.norm_eps, spec.n_heads, spec.n_kv_heads)
         counted = self._layer_bytes[layer]  # one meter call: each call a compiled step traces at every layer
-        meter.add(counted.qkv_pass + counted.out_mlp_pass, keys.nbytes + values.nbytes, h.shape[0] * h.shape[1])
+        meter.add(counted.qkv_pass + counted.out_mlp_pass, 2 * cache.layer_kv_bytes, h.shape[0] * h.shape[1])
         return out
 
     def _feature_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, hook: LayerHook, meter: CostMeter,
@@ -467,7 +467,7 @@ class DiffusionLM(nn.Module):
                 w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias,
                 w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps, spec.n_heads, spec.n_kv_heads)
             counted = self._layer_bytes[layer]
-            meter.add(counted.qkv_pass + counted.out_mlp_pass, keys.nbytes + values.nbytes, B * R)
+            meter.add(counted.qkv_pass + counted.out_mlp_pass, 2 * cache.layer_kv_bytes, B * R)
             return out
         return (h + features.attn) + features.mlp
 

@@ -70,6 +70,9 @@ class DecodeCache:
 
         self.k = per_layer(B, spec.n_kv_heads, T + 1, spec.head_dim)
         self.v = per_layer(B, spec.n_kv_heads, T + 1, spec.head_dim)
+        #: bytes of one layer's keys (and of its values): what a read of the layer's cache counts, kept as an int so
+        #: that a traced step adds it rather than tracing a size query on the buffer at every layer
+        self.layer_kv_bytes = self.k[0].numel() * self.k[0].element_size()
         self.hidden = per_layer(B, T + 1, spec.d_model) if store_hidden else None
         self.key_valid, self.positions = _validity_and_positions(attention_mask)
         self.position_rope = None

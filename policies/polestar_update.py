@@ -160,9 +160,9 @@ class UpdateLayer:
         for kept, fresh in zip((keys, values, centroids, prev, *stored, *qstored), new):
             kept.copy_(fresh)
         B, C = index.shape
-        key_bytes = keys.nbytes
+        key_bytes = cache.layer_kv_bytes
         meter.add(layer_bytes.qkv_pass + layer_bytes.out_mlp_pass,
-                  key_bytes * (2 if key_rope is None else 3) + values.nbytes, B * (C + rows.shape[1]),
+                  key_bytes * (3 if key_rope is None else 4), B * (C + rows.shape[1]),
                   B * (packet.rows.shape[1] + centroids.shape[1]))
         return out, members_out, rows, valid
 
@@ -229,7 +229,7 @@ class BuildLayer:
         for kept, fresh in zip((keys, values, *qstored), new):
             kept.copy_(fresh)
         qstore.anchored[layer] = False
-        meter.add(layer_bytes.qkv_pass + layer_bytes.out_mlp_pass, keys.nbytes + values.nbytes,
+        meter.add(layer_bytes.qkv_pass + layer_bytes.out_mlp_pass, 2 * cache.layer_kv_bytes,
                   h.shape[0] * h.shape[1])
         return out, window
 
@@ -265,7 +265,7 @@ class BuildLayer:
             old.copy_(fresh)
         prev.copy_(probs)
         B, K, _ = centroids.shape
-        meter.add(query_bytes, keys.nbytes * (1 if key_rope is None else 2), probe_rows=B * K)
+        meter.add(query_bytes, cache.layer_kv_bytes * (1 if key_rope is None else 2), probe_rows=B * K)
 
     @staticmethod
     def applies() -> bool:

@@ -153,7 +153,7 @@ class _FeatureHook(LayerHook):
         self.computed.append(rows)
         counted, G = self.ops.layer_bytes(layer), self.state.length - P
         meter.add(counted.attn_norm + counted.v + counted.qkv_pass + counted.out_mlp_pass,
-                  buffers[0].nbytes + buffers[1].nbytes, B * rows.shape[1], B * G)
+                  2 * self.cache.layer_kv_bytes, B * rows.shape[1], B * G)
         return out
 
     def _value_pick(self, layer: int, h: torch.Tensor, meter) -> torch.Tensor:

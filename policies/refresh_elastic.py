@@ -433,7 +433,7 @@ class _TrackPass(LayerHook):
                   q_layer, self.window_slots(layer), state.region_valid, self.masked, track)
         sizes = (spec.norm_eps, spec.n_heads, spec.n_kv_heads, self.scale, self.sel.config.track_num, state.length)
         B, C = index.shape
-        key_bytes = keys.nbytes
+        key_bytes = cache.layer_kv_bytes
         if self.checks(layer):
             tracked = self.tracked_slots(layer)
             # a region refuses one tensor given twice: above layer 0 of a ``fire0`` step the slots are the positions
@@ -447,7 +447,7 @@ class _TrackPass(LayerHook):
         for kept, fresh in zip(buffers, new):
             kept.copy_(fresh)
         counted = self.ops.layer_bytes(layer)
-        meter.add(counted.qkv_pass + counted.out_mlp_pass, key_bytes * (key_reads + 1) + values.nbytes, B * C,
+        meter.add(counted.qkv_pass + counted.out_mlp_pass, key_bytes * (key_reads + 2), B * C,
                   probe_rows)
         return out
 
