@@ -147,8 +147,8 @@ def test_the_value_pick_takes_the_changed_values_and_no_unchanged_one(seed, rati
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,overrides", [("llada", {}), ("dream", {}), ("llada", {"refresh.prompt_interval": 3})],
-                         ids=["llada", "dream", "prompt-refreshes"])
+@pytest.mark.parametrize("family,overrides", [("dream", {}), ("llada", {"refresh.prompt_interval": 3})],
+                         ids=["dream", "prompt-refreshes"])  # LLaDA's defaults: tests/test_step_capture.py
 def test_a_whole_step_compile_runs_the_value_pick_layers_as_one_region_each_and_equals_eager(family, overrides):
     """In a whole-step graph a layer with the value pick is one region (``refresh_dllm.pick_layer``: values
     projected, pick, value replacement and the feature-cached pass, buffers written back): the same tokens and

@@ -28,8 +28,8 @@ def _counters(out):
             [(q.nfe, q.tokens, q.token_layer_evals) for q in s.sequences])
 
 
+#: LLaDA with the default stages is checked under the CUDA-graph rules too, by tests/test_step_capture.py
 ROUTES = [
-    pytest.param("llada", {}, id="llada"),
     pytest.param("dream", {}, id="dream", marks=pytest.mark.slow),
     pytest.param("llada", {"quant": "nvfp4"}, id="lossy-store", marks=pytest.mark.slow),
     # the block start's hook path (clustered layer by layer, rotated centroid queries) beside the update region
