@@ -1,8 +1,9 @@
 """Polestar's block-start and sparse-update layers as regions of their own in a whole-step compile
 (``polestar.policies.polestar_update``): the same tokens and counters as the hook path that eager steps run, for
 every route through them (lossless and lossy stores, un-rotated and rotated proxies, layers clustered together or
-one by one, both families; each a whole-step compile, so the full suite runs them), and a step graph that grows
-by a few region calls and write-backs per layer instead of the layer's own operations."""
+one by one, both families; each a whole-step compile, so the full suite runs them; dynamo's graphs run as they
+are, AOT autograd's analysis of the same regions being checked by tests/test_step_capture.py), and a step graph
+that grows by a few region calls and write-backs per layer instead of the layer's own operations."""
 
 import collections
 
@@ -42,7 +43,7 @@ ROUTES = [
 @pytest.mark.parametrize("family,overrides", ROUTES)
 def test_a_whole_step_compile_with_the_layer_regions_equals_the_eager_hook_path(family, overrides):
     eager = _decode(family, 4, False, **overrides)
-    compiled = _decode(family, 4, "aot_eager", **overrides)
+    compiled = _decode(family, 4, "eager", **overrides)
     assert compiled.stats.compiled_steps > 0
     assert torch.equal(eager.tokens, compiled.tokens)
     assert _counters(eager) == _counters(compiled)
@@ -64,9 +65,9 @@ def test_each_layer_adds_region_calls_and_write_backs_to_a_step_graph_not_its_op
     """Per extra layer, every Polestar step graph (block starts, updates, plain steps) grows by the layer's inputs
     (weights, K/V, stores, clusters), a region call or two, their outputs and the buffers they rewrote copied back:
     at most 45 nodes (the hook path unrolled 67 per block-start layer and 89 per update layer)."""
-    shallow, deep = _nodes_per_graph(4), _nodes_per_graph(6)
+    shallow, deep = _nodes_per_graph(4), _nodes_per_graph(5)
     assert len(shallow) == len(deep)
-    per_layer = [(sum(d.values()) - sum(s.values())) / 2 for s, d in zip(shallow, deep)]
+    per_layer = [sum(d.values()) - sum(s.values()) for s, d in zip(shallow, deep)]
     assert max(per_layer) <= 45, per_layer
-    calls = [(d["call_function"] - s["call_function"]) / 2 for s, d in zip(shallow, deep)]
+    calls = [d["call_function"] - s["call_function"] for s, d in zip(shallow, deep)]
     assert max(calls) <= 22, calls  # region calls, their outputs, write-backs
