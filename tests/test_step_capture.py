@@ -173,13 +173,3 @@ def test_a_stage_that_cannot_be_compiled_runs_every_step_eagerly():
     ids, mask = polestar.api.encode_prompts(model, PROMPTS[3])
     _, stats = decode(model, ids, mask, pipeline, CONFIGS[3], runner=runner)
     assert not runner.compile and runner.eager_steps == stats.nfe and runner.compiled_steps == 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("policy", ["polestar", "elastic-cache", "dllm-cache"])
-def test_hooked_layers_run_as_regions_are_replayable_graphs(policy):
-    """With four layers a compiled step runs the sparse refreshes' middle layers as regions of their own (Polestar's
-    update and block-start layers, Elastic-Cache's tracked and checked layers, dLLM-Cache's value-pick layers),
-    their rewritten buffers copied back: still graphs a CUDA graph can replay (static addresses written, nothing
-    read after the next step), with the eager tokens and counters."""
-    _check_against_eager(_model("llada", 4), policy, 1, None)

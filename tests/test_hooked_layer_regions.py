@@ -1,9 +1,10 @@
-"""Polestar's block-start and sparse-update layers as regions of their own in a whole-step compile
-(``polestar.policies.polestar_update``): the same tokens and counters as the hook path that eager steps run, for
-every route through them (lossless and lossy stores, un-rotated and rotated proxies, layers clustered together or
-one by one, both families; each a whole-step compile, so the full suite runs them; dynamo's graphs run as they
-are, AOT autograd's analysis of the same regions being checked by tests/test_step_capture.py), and a step graph
-that grows by a few region calls and write-backs per layer instead of the layer's own operations."""
+"""The sparse refreshes' hooked layers as regions of their own in a whole-step compile: Polestar's block-start and
+sparse-update layers (``polestar.policies.polestar_update``), Elastic-Cache's layers and dLLM-Cache's value-pick
+layers pass the CUDA-graph rules of ``tests/test_step_capture.py`` at four layers (dynamo and AOT autograd's
+analysis). Polestar's also give the eager hook path's tokens and counters on every route through them (lossless
+and lossy stores, un-rotated and rotated proxies, layers clustered together or one by one, both families; dynamo's
+graphs run as they are), and each layer adds a few region calls and write-backs to a step graph, not the layer's
+own operations. Each check is a whole-step compile, so the full suite runs them."""
 
 import collections
 
@@ -12,6 +13,7 @@ import torch
 
 import polestar
 from polestar.testing import tiny_model
+from tests.test_step_capture import _check_against_eager, _model
 
 PROMPTS = [[5, 17, 3, 8, 9, 1, 2], [9, 1, 22, 30, 4, 11, 2]]
 DECODE = dict(policy="polestar", gen_length=24, block_length=8)  # block starts, updates with and without a suffix
@@ -31,8 +33,7 @@ def _counters(out):
 
 #: LLaDA with the default stages is checked under the CUDA-graph rules too, by tests/test_step_capture.py
 ROUTES = [
-    pytest.param("dream", {}, id="dream", marks=pytest.mark.slow),
-    pytest.param("llada", {"quant": "nvfp4"}, id="lossy-store", marks=pytest.mark.slow),
+    pytest.param("dream", {"quant": "nvfp4"}, id="dream-lossy-store", marks=pytest.mark.slow),
     # the block start's hook path (clustered layer by layer, rotated centroid queries) beside the update region
     pytest.param("llada", {"refresh.proxy_rope": True, "refresh.cluster_layers_together": False},
                  id="rotated-proxies-clustered-per-layer", marks=pytest.mark.slow),
@@ -71,3 +72,13 @@ def test_each_layer_adds_region_calls_and_write_backs_to_a_step_graph_not_its_op
     assert max(per_layer) <= 45, per_layer
     calls = [d["call_function"] - s["call_function"] for s, d in zip(shallow, deep)]
     assert max(calls) <= 22, calls  # region calls, their outputs, write-backs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["polestar", "elastic-cache", "dllm-cache"])
+def test_hooked_layers_run_as_regions_are_replayable_graphs(policy):
+    """With four layers a compiled step runs the sparse refreshes' middle layers as regions of their own (Polestar's
+    update and block-start layers, Elastic-Cache's tracked and checked layers, dLLM-Cache's value-pick layers),
+    their rewritten buffers copied back: still graphs a CUDA graph can replay (static addresses written, nothing
+    read after the next step), through dynamo and AOT autograd's analysis, with the eager tokens and counters."""
+    _check_against_eager(_model("llada", 4), policy, 1, None)
