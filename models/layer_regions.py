@@ -226,6 +226,13 @@ def active() -> Regions:
     return regions
 
 
+def in_whole_step() -> bool:
+    """Whether a whole-step compile is tracing the layer passes now (:data:`NESTED` active): where a hooked layer
+    runs as a region of its own, its rewritten buffers copied back (eager steps and ``compile="layers"`` write them
+    in place through the hook's calls)."""
+    return active() is NESTED
+
+
 @contextlib.contextmanager
 def using(regions: Regions) -> Iterator[Regions]:
     """Layer passes inside the block call ``regions``."""

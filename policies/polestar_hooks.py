@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
+from polestar.models import layer_regions
 from polestar.models.backbone import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layers import RopeTable
@@ -190,7 +191,7 @@ class PolestarBuildHook(LayerHook):
         step's layers: clustering layers together with un-rotated centroid queries, in a whole-step compile; else
         None (the calls below)."""
         build = self.buffers.build
-        if build is None or not self.together or self.sel.config.proxy_rope or not build.applies():
+        if build is None or not self.together or self.sel.config.proxy_rope or not layer_regions.in_whole_step():
             return None
         return build
 
@@ -278,8 +279,8 @@ class PolestarMembers(MemberStrategy):
         self.capacity = buf.capacity
         #: the middle layers' region where this step runs them as one (read once: the step is traced layer by layer)
         update = buf.update
-        self.update = (update if update is not None and cache.position_rope is not None and update.applies()
-                       else None)
+        regional = update is not None and cache.position_rope is not None and layer_regions.in_whole_step()
+        self.update = update if regional else None
         self.proxy_slots = torch.full_like(buf.centroid_pos[0], cache.trash)  # centroids only query: the trash slot
         self.wants_head = sel.packet_logits
         self.x = state.x

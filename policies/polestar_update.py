@@ -166,12 +166,6 @@ class UpdateLayer:
                   B * (packet.rows.shape[1] + centroids.shape[1]))
         return out, members_out, rows, valid
 
-    @staticmethod
-    def applies() -> bool:
-        """Whether an update step's middle layers (those with a packet to take and one to give) run as the region:
-        while a whole-step compile traces (:data:`~polestar.models.layer_regions.NESTED` active)."""
-        return layer_regions.active() is layer_regions.NESTED
-
 
 class BuildLayer:
     """A Polestar block start's layers as two nested compile regions, for the route that clusters every layer
@@ -266,8 +260,3 @@ class BuildLayer:
         prev.copy_(probs)
         B, K, _ = centroids.shape
         meter.add(query_bytes, cache.layer_kv_bytes * (1 if key_rope is None else 2), probe_rows=B * K)
-
-    @staticmethod
-    def applies() -> bool:
-        """Whether a block start's layers run as these regions: while a whole-step compile traces."""
-        return layer_regions.active() is layer_regions.NESTED

@@ -141,7 +141,7 @@ class _FeatureHook(LayerHook):
         P, B, spec = self.state.prompt_len, self.state.batch_size, self.ops.spec
         if (layer == 0 or self.response or not self.transfer or self.state.detail is not None
                 or (self.n_pick == 0 and not (self.prompt and P > 0))
-                or layer_regions.active() is not layer_regions.NESTED):
+                or not layer_regions.in_whole_step()):
             return None
         base = (self.arange[:P] if self.prompt else self.arange[:0]).expand(B, -1)
         buffers = (self.cache.k[layer], self.cache.v[layer], self.local.attn[layer], self.local.mlp[layer])

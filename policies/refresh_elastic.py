@@ -425,7 +425,7 @@ class _TrackPass(LayerHook):
         """The layer as one region (:func:`_tracked_layer`, or :func:`_checked_layer` with the trigger test) in a
         whole-step compile, the buffers it rewrote copied back; None while an observer records and outside a
         whole-step compile (eager steps and ``compile="layers"`` write in place through the calls below)."""
-        if self.detail is not None or layer_regions.active() is not layer_regions.NESTED:
+        if self.detail is not None or not layer_regions.in_whole_step():
             return None
         local, cache, state, spec = self.local, self.cache, self.state, self.ops.spec
         keys, values, q_layer, track = cache.k[layer], cache.v[layer], local.q[layer], local.track[layer]
