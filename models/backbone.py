@@ -154,19 +154,38 @@ class DiffusionLM(nn.Module):
         self.spec = spec
         self.rotary = Rotary(spec.head_dim, spec.rope_theta)
         self._fused: list[FusedProjections] = []
+        self._stacks: LayerWeights | None = None
+        self._stacked_ids: list[int] = []
         self._weights: list[LayerWeights] = []
         self._layer_bytes: list[LayerBytes] = []
 
-    # -- fused projections --------------------------------------------------------------------------------
+    # -- fused projections, stacked over layers ----------------------------------------------------------
     def fuse_projections(self) -> None:
-        """Store each layer's q/k/v weights (and biases) as one tensor and its gate/up weights as another, the
-        parameters re-pointed as views into them (:class:`FusedProjections`); parameters already fused are left as
-        they are. The families call it once built; moving or casting the model (``to``, ``to_empty``, ``float``)
-        calls it again, and :meth:`ensure_fused` before a decode notices parameters replaced by hand. At most one
-        layer's projections are held twice at a time (while they are copied into their fused tensor)."""
-        self._fused = [FusedProjections(*map(_fused_view, _fused_groups(self.layer_parts(layer))))
+        """Store every layer tensor a pass reads in one tensor per :class:`~polestar.models.layer_regions.
+        LayerWeights` field, stacked over the layers (``[n_layers, ...]``, :meth:`stacked_weights`), each layer's
+        q/k/v rows together (:class:`FusedProjections`) and its gate/up rows together; the parameters are re-pointed
+        as views into them. A step that runs a run of layers as one scan (:mod:`polestar.models.layer_scan`) reads
+        the stacks; a layer's pass reads its rows. Parameters already in place are left as they are. The families
+        call it once built; moving or casting the model (``to``, ``to_empty``, ``float``) moves each stack as one
+        tensor (:meth:`_apply`), and :meth:`ensure_fused` before a decode notices parameters replaced by hand."""
+        parts = [self.layer_parts(layer) for layer in range(self.spec.n_layers)]
+        groups = _stack_groups(parts)
+        self._stacks = LayerWeights(*(_stacked_view(group, len(parts)) for group in groups))
+        self._stacked_ids = [id(p) for group in groups for p in group]
+        self._point_fused()
+
+    def _point_fused(self) -> None:
+        """Each layer's :class:`FusedProjections` as rows of the stacks, and the lists the passes read."""
+        st = self._stacks
+        self._fused = [FusedProjections(st.qkv[layer], None if st.qkv_bias is None else st.qkv_bias[layer],
+                                        st.gate_up[layer], None if st.gate_up_bias is None else st.gate_up_bias[layer])
                        for layer in range(self.spec.n_layers)]
         self._list_weights()
+
+    def stacked_weights(self) -> LayerWeights:
+        """Every layer's tensors stacked over the layers: each field ``[n_layers, ...]`` (None without biases); row
+        ``l`` of each is what :meth:`layer_weights` gives for layer ``l``, the same storage."""
+        return self._stacks
 
     def _list_weights(self) -> None:
         """The layers' tensors as the layer regions take them, and their byte counts (:class:`LayerBytes`)."""
@@ -180,23 +199,26 @@ class DiffusionLM(nn.Module):
         return self._layer_bytes[layer]
 
     def step_tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the model a decoding step may read: parameters, buffers and the fused projections (as
-        the layers take them now; see :class:`polestar.phase_table.PhaseTable`)."""
+        """Every tensor of the model a decoding step may read: parameters, buffers, the fused projections and the
+        stacks (as the layers take them now; see :class:`polestar.phase_table.PhaseTable`)."""
         fused = [t for f in self._fused for t in f if t is not None]
-        return [*self.parameters(), *self.buffers(), *fused]
+        stacks = [t for t in self._stacks if t is not None] if self._stacks is not None else []
+        return [*self.parameters(), *self.buffers(), *fused, *stacks]
 
     def ensure_fused(self) -> None:
-        """Re-fuse the projections (:meth:`fuse_projections`) if any parameter no longer lies in its fused tensor
-        (a parameter assigned by hand, ``load_state_dict(assign=True)``). Host-side; the engine calls it before
-        a generation's first step."""
-        layers = range(self.spec.n_layers)
-        if len(self._fused) != len(layers) or not all(
-            _is_view_of(whole, params) for layer in layers
-            for whole, params in zip(self._fused[layer], _fused_groups(self.layer_parts(layer)))
-        ):
+        """Re-stack (:meth:`fuse_projections`) if any parameter no longer lies in its stack (a parameter assigned by
+        hand, ``load_state_dict(assign=True)``). Host-side; the engine calls it before a generation's first step."""
+        if not self._stacks_intact():
             self.fuse_projections()
-        else:  # a norm, o or down parameter replaced by hand is a new object: list the current ones
-            self._list_weights()
+
+    def _stacks_intact(self) -> bool:
+        if self._stacks is None:
+            return False
+        parts = [self.layer_parts(layer) for layer in range(self.spec.n_layers)]
+        if self._stacks.qkv.device.type == "meta":  # no addresses to compare: the same parameter objects
+            return self._stacked_ids == [id(p) for group in _stack_groups(parts) for p in group]
+        return all(_is_view_of(None if whole is None else _flat(whole), group)
+                   for whole, group in zip(self._stacks, _stack_groups(parts)))
 
     def _layer_weights(self, layer: int, fused: FusedProjections | None = None) -> LayerWeights:
         p, f = self.layer_parts(layer), self._fused[layer] if fused is None else fused
@@ -220,10 +242,35 @@ class DiffusionLM(nn.Module):
         return self._fused[layer]
 
     def _apply(self, fn, recurse=True):
-        fused, self._fused = bool(self._fused), []  # the old fused tensors are freed with the parameters they held
-        out = super()._apply(fn, recurse)
-        if fused:  # the parameters were moved or cast one by one: fuse them again
+        """``Module._apply`` (``to``, ``to_empty``, casts) with each stack moved as one tensor and its parameters
+        re-pointed into the result: the device holds the weights once, not the parameters and a new stack beside
+        them. A model whose parameters left their stacks is moved parameter by parameter and stacked again."""
+        if not self._stacks_intact():
+            self._stacks, self._fused = None, []  # freed with the parameters they held
+            out = super()._apply(fn, recurse)
             self.fuse_projections()
+            return out
+        parts = [self.layer_parts(layer) for layer in range(self.spec.n_layers)]
+        owners = _owners(self, [p for group in _stack_groups(parts) for p in group if p is not None])
+        for module, name, _ in owners:  # hidden from Module._apply, which skips a None parameter
+            module._parameters[name] = None
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            for module, name, param in owners:
+                module._parameters[name] = param
+        self._stacks = LayerWeights(*(None if t is None else fn(t) for t in self._stacks))
+        views = {id(p): view for whole, group in zip(self._stacks, _stack_groups(parts)) if whole is not None
+                 for p, view in zip(group, _row_views(_flat(whole), group))}
+        with torch.no_grad():
+            for module, name, param in owners:
+                view = views[id(param)]
+                if torch._has_compatible_shallow_copy_type(param, view):
+                    param.data = view
+                else:  # meta → a device: a new parameter object, as Module._apply makes
+                    module._parameters[name] = nn.Parameter(view, requires_grad=param.requires_grad)
+        self._stacked_ids = [id(p) for group in _stack_groups(parts) for p in group]
+        self._point_fused()
         return out
 
     # -- family hooks -------------------------------------------------------------------------------------
@@ -516,6 +563,51 @@ def _is_view_of(whole: torch.Tensor | None, params: tuple[torch.Tensor | None, .
     return ptr == whole.data_ptr() + whole.shape[0] * row
 
 
+def _stack_groups(parts: list[LayerParts]) -> tuple[tuple[torch.Tensor | None, ...], ...]:
+    """The parameters of each :class:`~polestar.models.layer_regions.LayerWeights` field over all layers, in its
+    order: layer 0's (q, k, v for ``qkv``), then layer 1's, ... (a bias group holds Nones without biases)."""
+    fields = ([(p.attn_norm.weight,) for p in parts], [(p.attn_norm.bias,) for p in parts],
+              [g[0] for g in map(_fused_groups, parts)], [g[1] for g in map(_fused_groups, parts)],
+              [(p.o.weight,) for p in parts], [(p.o.bias,) for p in parts],
+              [(p.mlp_norm.weight,) for p in parts], [(p.mlp_norm.bias,) for p in parts],
+              [g[2] for g in map(_fused_groups, parts)], [g[3] for g in map(_fused_groups, parts)],
+              [(p.down.weight,) for p in parts], [(p.down.bias,) for p in parts])
+    return tuple(tuple(t for layer in field for t in layer) for field in fields)
+
+
+def _flat(whole: torch.Tensor) -> torch.Tensor:
+    """A stack ``[n_layers, rows, ...]`` as its rows back to back ``[n_layers · rows, ...]`` (a view)."""
+    return whole.view(-1, *whole.shape[2:])
+
+
+def _stacked_view(params: tuple[torch.Tensor | None, ...], n_layers: int) -> torch.Tensor | None:
+    """:func:`_fused_view` of one field's parameters over all layers, shaped ``[n_layers, rows, ...]``."""
+    whole = _fused_view(params)
+    return None if whole is None else whole.view(n_layers, -1, *whole.shape[1:])
+
+
+def _row_views(whole: torch.Tensor, params: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Consecutive rows of ``whole``, one view per parameter of ``params`` with its row count."""
+    views, offset = [], 0
+    for p in params:
+        views.append(whole[offset : offset + p.shape[0]])
+        offset += p.shape[0]
+    return views
+
+
+def _point_into(whole: torch.Tensor, params: tuple[torch.Tensor, ...]) -> None:
+    """Re-point ``params`` (``.data``) at consecutive rows of ``whole``."""
+    for p, view in zip(params, _row_views(whole, params)):
+        p.data = view
+
+
+def _owners(model: nn.Module, params: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(module, name, parameter)`` of each of ``params`` among ``model``'s modules."""
+    wanted = {id(p) for p in params}
+    return [(module, name, p) for module in model.modules() for name, p in module._parameters.items()
+            if p is not None and id(p) in wanted]
+
+
 def _fused_view(params: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
     """One tensor holding ``params`` stacked along their output rows, each parameter a view (``.data``) of its rows:
     the parameters' own storage when they already lie back to back in it, else a new tensor they are copied into
@@ -535,8 +627,5 @@ def _fused_view(params: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
                                                 first.stride())
     with torch.no_grad():
         whole = torch.cat([p.data for p in params])
-        offset = 0
-        for p in params:
-            p.data = whole[offset : offset + p.shape[0]]
-            offset += p.shape[0]
+        _point_into(whole, params)
     return whole

@@ -52,10 +52,11 @@ class DecodeCache:
     ``position_rope``: the rotary factors (a :class:`~polestar.models.layers.RopeTable`, ``[B, T + 1, 1, hd]``) of the
     positions ``0 .. T``, set by the model that makes the cache (``DiffusionLM.new_cache``), else None.
 
-    One tensor per layer rather than one stacked ``[n_layers, ...]`` tensor: every layer's slice then starts at
-    offset 0 of a buffer of its own, so the kernels a compiler generates for one layer's cache writes are the same
-    code for every layer (compiled once, not once per layer at its offset), and a write into one layer never bumps
-    the autograd version of another's (a full forward under autograd saves every layer's keys).
+    ``k_stack, v_stack``: the same keys and values as one ``[n_layers, B, n_kv_heads, T + 1, head_dim]`` tensor each,
+    whose rows ``k`` and ``v`` are (what a scan over a run of layers reads and writes back,
+    :mod:`polestar.models.layer_scan`). A cache made under autograd keeps one tensor per layer instead (None here):
+    a full forward under autograd saves every layer's keys, and a write into one row of a stack would bump the
+    autograd version of all of them.
     """
 
     def __init__(self, spec: ModelSpec, attention_mask: torch.Tensor, dtype: torch.dtype, store_hidden: bool = False):
@@ -68,8 +69,13 @@ class DecodeCache:
         def per_layer(*shape: int) -> tuple[torch.Tensor, ...]:
             return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(L))
 
-        self.k = per_layer(B, spec.n_kv_heads, T + 1, spec.head_dim)
-        self.v = per_layer(B, spec.n_kv_heads, T + 1, spec.head_dim)
+        kv_shape = (B, spec.n_kv_heads, T + 1, spec.head_dim)
+        if torch.is_grad_enabled():
+            self.k_stack = self.v_stack = None
+            self.k, self.v = per_layer(*kv_shape), per_layer(*kv_shape)
+        else:
+            self.k_stack, self.v_stack = (torch.zeros(L, *kv_shape, dtype=dtype, device=device) for _ in range(2))
+            self.k, self.v = self.k_stack.unbind(0), self.v_stack.unbind(0)
         #: bytes of one layer's keys (and of its values): what a read of the layer's cache counts, kept as an int so
         #: that a traced step adds it rather than tracing a size query on the buffer at every layer
         self.layer_kv_bytes = self.k[0].numel() * self.k[0].element_size()
