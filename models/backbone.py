@@ -7,6 +7,7 @@ projections a layer hook runs on rows of its own are in :class:`~polestar.models
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from polestar.kernels.proxy_attention import proxy_attention
 
-from . import layer_regions
+from . import layer_regions, layer_scan
 from .cost import CostMeter, LayerBytes
 from .hooks import LayerHook
 from .layer_regions import LayerWeights
@@ -192,6 +193,8 @@ class DiffusionLM(nn.Module):
         layers = range(self.spec.n_layers)
         self._weights = [self._layer_weights(layer) for layer in layers]
         self._layer_bytes = [LayerBytes.of(*self.layer_parts(layer)) for layer in layers]
+        #: bytes of the passes over layers ``0 .. l - 1`` at index ``l`` (a scan over a run of layers counts them)
+        self._pass_bytes = [0, *itertools.accumulate(b.qkv_pass + b.out_mlp_pass for b in self._layer_bytes)]
 
     def layer_bytes(self, layer: int) -> LayerBytes:
         """Layer ``layer``'s weight bytes per part (:class:`~polestar.models.cost.LayerBytes`; listed on the host
@@ -360,7 +363,8 @@ class DiffusionLM(nn.Module):
         per_layer = plan.per_layer  # read once: a compiled step traces this loop's body once per layer
         shared = None if per_layer else torch.where(plan.valid, plan.index, trash)
         rope = None if shared is None else self.rope_of(cache, cache.positions.gather(1, shared))
-        for layer in range(plan.first_layer, spec.n_layers):
+        layer = plan.first_layer
+        while layer < spec.n_layers:
             if shared is None:
                 index, valid = plan.at(layer)
                 index = torch.where(valid, index, trash)
@@ -379,14 +383,46 @@ class DiffusionLM(nn.Module):
                 h = cache.hidden[layer].gather(1, index[..., None].expand(-1, -1, spec.d_model))
             if cache.hidden is not None and (layer == 0 or not per_layer):
                 _scatter_rows(cache.hidden[layer], index, h)
+            end = self._scan_end(layer, cache, per_layer, probe, hook)
+            if end > layer + 1:  # a run of plain layers: one scan (a whole-step compile only)
+                h = self._scan_layers(layer, end, h, index, rope, cache, meter)
+                layer = end
+                continue
             want_probe = probe is not None and probe.layer == layer
             h, probs = self.layer_step(layer, h, index, rope, cache, probe.rows if want_probe else None, hook, meter)
             if want_probe:
                 probe_out = probs
             prev_index = index
+            layer += 1
         out = self.final_norm(h)
         meter.weight(self.final_norm_weight())
         return PlanOutput(out, probe_out)
+
+    def _scan_end(self, layer: int, cache: DecodeCache, per_layer: bool, probe: AttentionProbe | None,
+                  hook: LayerHook | None) -> int:
+        """Where a run of plain layers starting at ``layer`` that a whole-step compile runs as one scan
+        (:mod:`~polestar.models.layer_scan`) ends: the probed layer or the last, when no hook touches the layers,
+        the plan's slots are the same at every layer and no layer input is stored; else ``layer`` (no scan)."""
+        if (hook is not None or per_layer or cache.hidden is not None or cache.k_stack is None
+                or not layer_scan.available() or not layer_regions.in_whole_step()):
+            return layer
+        return probe.layer if probe is not None and probe.layer >= layer else self.spec.n_layers
+
+    def _scan_layers(self, first: int, end: int, h, index, rope: RopeTable, cache: DecodeCache,
+                     meter: CostMeter) -> torch.Tensor:
+        """Layers ``first .. end - 1`` without a hook as one scan (:func:`~polestar.models.layer_scan.
+        plain_layers`), their K/V written back into the cache's stacks, counted as :meth:`_plain_step` counts each."""
+        spec = self.spec
+        weights = LayerWeights(*(None if t is None else t[first:end] for t in self._stacks))
+        out, keys, values = layer_scan.plain_layers(
+            h, index, rope.cos, rope.sin, cache.key_valid, cache.k_stack[first:end], cache.v_stack[first:end],
+            weights, spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+        cache.k_stack[first:end].copy_(keys)
+        cache.v_stack[first:end].copy_(values)
+        n = end - first
+        meter.add(self._pass_bytes[end] - self._pass_bytes[first], 2 * n * cache.layer_kv_bytes,
+                  n * h.shape[0] * h.shape[1])
+        return out
 
     def embedding_weight(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -1,0 +1,69 @@
+"""A run of consecutive layers as one scan over the layer-stacked tensors: traced once, whatever the depth.
+
+A whole-step compile that calls a layer region once per layer (:mod:`polestar.models.layer_regions`) traces the
+layer once, yet still pays per layer: every call is a node of the step graph with its ~20 inputs and outputs, and
+AOT autograd functionalizes each call again (about 65 ms per layer call on this project's CPU with ``aot_eager``,
+whatever the layer holds). A scan (``torch._higher_order_ops.scan``) is one node for the whole run: its body, one
+layer as a pure function of explicit tensors, is traced once and iterated over the leading axis of the stacks it is
+given, the layer's weights (:meth:`~polestar.models.backbone.DiffusionLM.stacked_weights`) and its K/V rows
+(:class:`~polestar.models.plan.DecodeCache` ``k_stack, v_stack``). Inductor lowers it to a loop on the host over one
+compiled body (the loop counter lives on the host, so the loop needs no device read and can be captured in a CUDA
+graph).
+
+The scan's body may not write its inputs: each layer returns its rewritten K/V as the scan's per-layer outputs,
+which the caller copies back into the stacks in one copy per stack, as a region's caller copies its buffers back.
+
+Shapes: plan rows ``h [B, X, d]``; cache slots ``index [B, X]``; rotary factors ``cos, sin [B, X, 1, hd]``;
+``key_valid [B, T + 1]``; K/V stacks ``[n, B, Hkv, T + 1, hd]`` for the ``n`` layers of the run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layer_regions
+from .layer_regions import LayerWeights
+
+try:  # a prototype of torch; where it is missing, every layer is a region of its own
+    from torch._higher_order_ops.scan import scan as _scan
+except ImportError:  # pragma: no cover - torch without the scan operator
+    _scan = None
+
+
+def available() -> bool:
+    """Whether this torch has the scan operator."""
+    return _scan is not None
+
+
+def plain_layers(h, index, cos, sin, key_valid, keys, values, weights: LayerWeights, eps: float, n_heads: int,
+                 n_kv_heads: int):
+    """Layers without a hook, one after another (each :func:`~polestar.models.layer_regions.decoder_layer`), as one
+    scan over ``weights`` (a :class:`LayerWeights` of ``[n, ...]`` stacks, None fields skipped) and the K/V stacks
+    ``keys, values [n, B, Hkv, T + 1, hd]`` → ``(out [B, X, d], keys, values)``, the K/V stacks rewritten as new
+    tensors (the caller writes them back)."""
+    present = tuple(i for i, t in enumerate(weights) if t is not None)
+
+    def layer(rows, xs):
+        layer_keys, layer_values, *given = xs
+        full: list[torch.Tensor | None] = [None] * len(weights)
+        for i, t in zip(present, given):
+            full[i] = t
+        out, layer_keys, layer_values = layer_regions.decoder_layer(
+            rows, index, cos, sin, key_valid, layer_keys, layer_values, *full, eps, n_heads, n_kv_heads)
+        return out, (layer_keys, layer_values)
+
+    out, (keys, values) = _scan(layer, h, (keys, values, *(weights[i] for i in present)))
+    return out, keys, values
+
+
+def plain_layers_eager(h, index, cos, sin, key_valid, keys, values, weights: LayerWeights, eps: float,
+                       n_heads: int, n_kv_heads: int):
+    """:func:`plain_layers` as a Python loop over the layers (its reference)."""
+    new_keys, new_values = [], []
+    for layer in range(keys.shape[0]):
+        layer_weights = [None if t is None else t[layer] for t in weights]
+        h, k, v = layer_regions.decoder_layer(h, index, cos, sin, key_valid, keys[layer], values[layer],
+                                              *layer_weights, eps, n_heads, n_kv_heads)
+        new_keys.append(k)
+        new_values.append(v)
+    return h, torch.stack(new_keys), torch.stack(new_values)
