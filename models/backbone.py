@@ -384,9 +384,13 @@ class DiffusionLM(nn.Module):
             if cache.hidden is not None and (layer == 0 or not per_layer):
                 _scatter_rows(cache.hidden[layer], index, h)
             end = self._scan_end(layer, cache, per_layer, probe, hook)
-            if end > layer + 1:  # a run of plain layers: one scan (a whole-step compile only)
+            if end > layer:  # a run of plain layers: one scan (a whole-step compile only), the same at any depth
                 h = self._scan_layers(layer, end, h, index, rope, cache, meter)
                 layer = end
+                continue
+            run = self._hook_run(layer, h, index, rope, cache, per_layer, probe, hook, meter)
+            if run is not None:  # a run of hooked layers, one scan of the hook's own
+                h, layer = run
                 continue
             want_probe = probe is not None and probe.layer == layer
             h, probs = self.layer_step(layer, h, index, rope, cache, probe.rows if want_probe else None, hook, meter)
@@ -407,6 +411,17 @@ class DiffusionLM(nn.Module):
                 or not layer_scan.available() or not layer_regions.in_whole_step()):
             return layer
         return probe.layer if probe is not None and probe.layer >= layer else self.spec.n_layers
+
+    def _hook_run(self, layer: int, h, index, rope: RopeTable, cache: DecodeCache, per_layer: bool,
+                  probe: AttentionProbe | None, hook: LayerHook | None, meter: CostMeter):
+        """``hook.whole_run`` (:class:`~polestar.models.hooks.LayerHook`) where a whole-step compile could scan the
+        layers from ``layer`` on (no probe among them, the plan's slots the same at every layer, no stored layer
+        input), else None."""
+        if (hook is None or not hasattr(hook, "whole_run") or per_layer or cache.hidden is not None
+                or cache.k_stack is None or (probe is not None and probe.layer >= layer)
+                or not layer_scan.available() or not layer_regions.in_whole_step()):
+            return None
+        return hook.whole_run(layer, h, index, rope, meter)
 
     def _scan_layers(self, first: int, end: int, h, index, rope: RopeTable, cache: DecodeCache,
                      meter: CostMeter) -> torch.Tensor:

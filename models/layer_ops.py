@@ -83,6 +83,11 @@ class LayerOps:
         its own; it counts their reads itself, from :meth:`layer_bytes`)."""
         return self._model.layer_weights(layer)
 
+    def stacked_weights(self, first: int, end: int) -> LayerWeights:
+        """Layers ``first .. end - 1``'s tensors stacked (each field ``[end - first, ...]``, None without biases;
+        views of :meth:`~polestar.models.backbone.DiffusionLM.stacked_weights`), for a hook that scans them."""
+        return LayerWeights(*(None if t is None else t[first:end] for t in self._model.stacked_weights()))
+
     def query_weights(self, layer: int) -> tuple:
         """Layer ``layer``'s attention norm and q projection as :func:`~polestar.models.layer_regions.project_rows`
         takes them: ``(norm weight, norm bias, q weight, q bias)`` (biases None where the checkpoint has none)."""

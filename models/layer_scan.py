@@ -35,25 +35,62 @@ def available() -> bool:
     return _scan is not None
 
 
+def scan(layer_fn, carry, xs):
+    """``layer_fn(carry, row) → (carry, outputs)`` applied along the leading axis of every tensor of ``xs`` (a
+    tuple), one layer per row → ``(final carry, outputs stacked over the rows)``: one graph node in a compile."""
+    return _scan(layer_fn, carry, xs)
+
+
+def split_weights(weights: LayerWeights) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The tensors of ``weights`` that are given (a scan's inputs are tensors) and their field positions."""
+    present = tuple(i for i, t in enumerate(weights) if t is not None)
+    return tuple(weights[i] for i in present), present
+
+
+def join_weights(given, present: tuple[int, ...]) -> LayerWeights:
+    """:func:`split_weights` undone for one layer's row: ``given`` at their field positions, None elsewhere."""
+    full: list[torch.Tensor | None] = [None] * len(LayerWeights._fields)
+    for i, t in zip(present, given):
+        full[i] = t
+    return LayerWeights(*full)
+
+
 def plain_layers(h, index, cos, sin, key_valid, keys, values, weights: LayerWeights, eps: float, n_heads: int,
                  n_kv_heads: int):
     """Layers without a hook, one after another (each :func:`~polestar.models.layer_regions.decoder_layer`), as one
     scan over ``weights`` (a :class:`LayerWeights` of ``[n, ...]`` stacks, None fields skipped) and the K/V stacks
     ``keys, values [n, B, Hkv, T + 1, hd]`` → ``(out [B, X, d], keys, values)``, the K/V stacks rewritten as new
     tensors (the caller writes them back)."""
-    present = tuple(i for i, t in enumerate(weights) if t is not None)
+    given, present = split_weights(weights)
 
     def layer(rows, xs):
-        layer_keys, layer_values, *given = xs
-        full: list[torch.Tensor | None] = [None] * len(weights)
-        for i, t in zip(present, given):
-            full[i] = t
+        layer_keys, layer_values, *row = xs
         out, layer_keys, layer_values = layer_regions.decoder_layer(
-            rows, index, cos, sin, key_valid, layer_keys, layer_values, *full, eps, n_heads, n_kv_heads)
+            rows, index, cos, sin, key_valid, layer_keys, layer_values, *join_weights(row, present), eps, n_heads,
+            n_kv_heads)
         return out, (layer_keys, layer_values)
 
-    out, (keys, values) = _scan(layer, h, (keys, values, *(weights[i] for i in present)))
+    out, (keys, values) = scan(layer, h, (keys, values, *given))
     return out, keys, values
+
+
+def feature_layers(h, rows, index, cos, sin, key_valid, keys, values, attn, mlp, weights: LayerWeights, eps: float,
+                   n_heads: int, n_kv_heads: int):
+    """Feature-cached layers recomputing the same plan rows ``rows [B, R]`` (each
+    :func:`~polestar.models.layer_regions.feature_layer`) as one scan over ``weights`` and the stacks ``keys,
+    values [n, B, Hkv, T + 1, hd]``, ``attn, mlp [n, B, C, d]`` → ``(out [B, C, d], keys, values, attn, mlp)``, the
+    stacks as new tensors."""
+    given, present = split_weights(weights)
+
+    def layer(h_in, xs):
+        layer_keys, layer_values, layer_attn, layer_mlp, *row = xs
+        out, *buffers = layer_regions.feature_layer(
+            h_in, rows, index, cos, sin, key_valid, layer_keys, layer_values, layer_attn, layer_mlp,
+            *join_weights(row, present), eps, n_heads, n_kv_heads)
+        return out, tuple(buffers)
+
+    out, buffers = scan(layer, h, (keys, values, attn, mlp, *given))
+    return (out, *buffers)
 
 
 def plain_layers_eager(h, index, cos, sin, key_valid, keys, values, weights: LayerWeights, eps: float,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from attrs import validators as v
 
-from polestar.models import layer_regions
+from polestar.models import layer_regions, layer_scan
 from polestar.models.backbone import CachedFeatures
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layer_regions import StageRegion
@@ -44,11 +44,14 @@ from .refresh_basic import block_start_plan
 @attrs.define
 class FeatureState:
     """Per-generation state of :class:`DLLMCacheRefresh`: each layer's cached attention output (after o) and MLP
-    output per position, ``attn, mlp``: tuples of ``L`` tensors ``[B, T, d_model]`` (one buffer per layer, as the
-    cache's K/V; allocated at the first generation of a shape, rewritten in place)."""
+    output per position, ``attn, mlp``: tuples of ``L`` tensors ``[B, T, d_model]``, the rows of ``attn_stack,
+    mlp_stack [L, B, T, d_model]`` (as the cache's K/V; allocated at the first generation of a shape, rewritten in
+    place)."""
 
     attn: tuple[torch.Tensor, ...] | None = None
     mlp: tuple[torch.Tensor, ...] | None = None
+    attn_stack: torch.Tensor | None = None
+    mlp_stack: torch.Tensor | None = None
 
 
 @register("refresh", "dllm-cache")
@@ -74,13 +77,14 @@ class DLLMCacheRefresh(RefreshSelector):
         return FeatureState()
 
     def begin_generation(self, local: FeatureState, state: DecodeState, cache: DecodeCache, model) -> None:
-        shape = (state.batch_size, state.length, model.spec.d_model)
-        if local.attn is None or len(local.attn) != state.n_layers or tuple(local.attn[0].shape) != shape:
-            local.attn, local.mlp = (tuple(torch.zeros(shape, dtype=model.dtype, device=state.x.device)
-                                           for _ in range(state.n_layers)) for _ in range(2))
+        shape = (state.n_layers, state.batch_size, state.length, model.spec.d_model)
+        if local.attn_stack is None or tuple(local.attn_stack.shape) != shape:
+            local.attn_stack, local.mlp_stack = (torch.zeros(shape, dtype=model.dtype, device=state.x.device)
+                                                 for _ in range(2))
+            local.attn, local.mlp = local.attn_stack.unbind(0), local.mlp_stack.unbind(0)
         else:
-            for t in (*local.attn, *local.mlp):
-                t.zero_()
+            local.attn_stack.zero_()
+            local.mlp_stack.zero_()
 
     def phase(self, position: StepPosition, state: DecodeState, local=None) -> tuple[bool, bool]:
         m = position.global_step  # forward n = global_step + 1 of the generation
@@ -107,7 +111,9 @@ class _FeatureHook(LayerHook):
         self.n_pick = int((T - P) * config.ratio)
         self.own = cache.key_valid[:, :T] & plan.valid  # [B, T] a row's own, active positions
         self.arange = torch.arange(T, device=device)
-        self.computed: list[torch.Tensor] = []  # each layer's recomputed rows [B, R_l], counted once after the pass
+        #: the recomputed rows ``[B, R]`` of one layer, or of a run of layers side by side, and how many layers each
+        #: holds (counted once after the pass)
+        self.computed: list[tuple[torch.Tensor, int]] = []
 
     @property
     def evals(self) -> torch.Tensor:
@@ -115,42 +121,85 @@ class _FeatureHook(LayerHook):
         every layer (one gather and sum over the pass, read after it)."""
         if not self.computed:
             return torch.zeros(self.own.shape[0], dtype=torch.long, device=self.own.device)
-        own = self.own.gather(1, torch.cat(self.computed, dim=1)).sum(dim=1)
-        return own - len(self.computed) * self.own.sum(dim=1)
+        own = self.own.gather(1, torch.cat([rows for rows, _ in self.computed], dim=1)).sum(dim=1)
+        return own - sum(layers for _, layers in self.computed) * self.own.sum(dim=1)
 
     def features(self, layer: int, h: torch.Tensor, meter) -> CachedFeatures:
         P, B = self.state.prompt_len, self.state.batch_size
-        if layer == 0 or (self.response and self.prompt):
+        rows = self.arange.expand(B, -1) if layer == 0 else self._base_rows()
+        if self.state.detail is not None:  # an observer records: the rows the layer recomputes besides the pick
+            self.state.detail.computed[layer] = (rows, self.own.gather(1, rows))
+        if not (layer == 0 or self.response) and self.transfer:
+            rows = torch.cat([rows, P + self._value_pick(layer, h, meter)], dim=1)
+        self.computed.append((rows, 1))
+        return CachedFeatures(rows, self.local.attn[layer], self.local.mlp[layer])
+
+    def _picks(self) -> bool:
+        """Whether layers above the first run the value pick as one region at this forward (:meth:`whole_layer`)."""
+        P = self.state.prompt_len
+        return not self.response and self.transfer and (self.n_pick > 0 or (self.prompt and P > 0))
+
+    def _base_rows(self) -> torch.Tensor:
+        """``[B, R0]`` the rows every layer above the first recomputes at this forward besides a value pick."""
+        P, B = self.state.prompt_len, self.state.batch_size
+        if self.response and self.prompt:
             rows = self.arange
         elif self.response:
             rows = self.arange[P:]
         else:
             rows = self.arange[:P] if self.prompt else self.arange[:0]
-        rows = rows.expand(B, -1)
-        if self.state.detail is not None:  # an observer records: the rows the layer recomputes besides the pick
-            self.state.detail.computed[layer] = (rows, self.own.gather(1, rows))
-        if not (layer == 0 or self.response) and self.transfer:
-            rows = torch.cat([rows, P + self._value_pick(layer, h, meter)], dim=1)
-        self.computed.append(rows)
-        return CachedFeatures(rows, self.local.attn[layer], self.local.mlp[layer])
+        return rows.expand(B, -1)
+
+    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter):
+        """Layers ``1 .. L - 1`` as one scan (:mod:`~polestar.models.layer_scan`): of :func:`pick_layer` where they
+        pick, else of the feature-cached pass over the same rows (or, with no row to recompute, of the cached
+        outputs' sums). None at layer 0 or while an observer records."""
+        L, B, P, spec = self.state.n_layers, self.state.batch_size, self.state.prompt_len, self.ops.spec
+        if layer != 1 or L < 2 or self.state.detail is not None:
+            return None
+        cache, local, n = self.cache, self.local, L - 1
+        attn, mlp = local.attn_stack[1:], local.mlp_stack[1:]
+        if self._picks():
+            out, rows, keys, values, attn_new, mlp_new = _pick_layers(
+                self.config.similarity_grid, self.n_pick, P, h, self._base_rows(), index, rope.cos, rope.sin,
+                cache.key_valid, cache.k_stack[1:], cache.v_stack[1:], attn, mlp, self.ops.stacked_weights(1, L),
+                spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+            written = (cache.k_stack[1:], cache.v_stack[1:], attn, mlp), (keys, values, attn_new, mlp_new)
+            G = self.state.length - P
+            counted = [self.ops.layer_bytes(i) for i in range(1, L)]
+            meter.add(sum(c.attn_norm + c.v + c.qkv_pass + c.out_mlp_pass for c in counted),
+                      2 * n * cache.layer_kv_bytes, n * B * rows.shape[2], n * B * G)
+        else:
+            rows = self._base_rows()[None].expand(n, -1, -1)
+            if rows.shape[2] == 0:
+                return _cached_sums(h, attn, mlp), L
+            out, keys, values, attn_new, mlp_new = layer_scan.feature_layers(
+                h, rows[0], index, rope.cos, rope.sin, cache.key_valid, cache.k_stack[1:], cache.v_stack[1:], attn,
+                mlp, self.ops.stacked_weights(1, L), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+            written = (cache.k_stack[1:], cache.v_stack[1:], attn, mlp), (keys, values, attn_new, mlp_new)
+            counted = [self.ops.layer_bytes(i) for i in range(1, L)]
+            meter.add(sum(c.qkv_pass + c.out_mlp_pass for c in counted), 2 * n * cache.layer_kv_bytes,
+                      n * B * rows.shape[2])
+        for kept, fresh in zip(*written):
+            kept.copy_(fresh)
+        self.computed.append((rows.transpose(0, 1).reshape(B, -1), n))
+        return out, L
 
     def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter) -> torch.Tensor | None:
         """A layer with the value pick as one region (:func:`pick_layer`) in a whole-step compile; None elsewhere
         (eager steps and ``compile="layers"`` write the buffers in place through :meth:`features`), while an
         observer records, and where the layer recomputes nothing."""
         P, B, spec = self.state.prompt_len, self.state.batch_size, self.ops.spec
-        if (layer == 0 or self.response or not self.transfer or self.state.detail is not None
-                or (self.n_pick == 0 and not (self.prompt and P > 0))
-                or not layer_regions.in_whole_step()):
+        if layer == 0 or not self._picks() or self.state.detail is not None or not layer_regions.in_whole_step():
             return None
-        base = (self.arange[:P] if self.prompt else self.arange[:0]).expand(B, -1)
+        base = self._base_rows()
         buffers = (self.cache.k[layer], self.cache.v[layer], self.local.attn[layer], self.local.mlp[layer])
         out, rows, *new = _PICK_LAYER(
             self.config.similarity_grid, self.n_pick, P, h, base, index, rope.cos, rope.sin, self.cache.key_valid,
             *buffers, *self.ops.layer_weights(layer), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
         for kept, fresh in zip(buffers, new):
             kept.copy_(fresh)
-        self.computed.append(rows)
+        self.computed.append((rows, 1))
         counted, G = self.ops.layer_bytes(layer), self.state.length - P
         meter.add(counted.attn_norm + counted.v + counted.qkv_pass + counted.out_mlp_pass,
                   2 * self.cache.layer_kv_bytes, B * rows.shape[1], B * G)
@@ -209,6 +258,36 @@ def pick_layer(grid: float, n_pick: int, P: int, h, base_rows, index, cos, sin, 
 
 #: :func:`pick_layer` as a nested compile region (a whole-step compile traces it once for every layer)
 _PICK_LAYER = layer_regions.region(pick_layer)
+
+
+def _pick_layers(grid: float, n_pick: int, P: int, h, base_rows, index, cos, sin, key_valid, keys, values, attn, mlp,
+                 weights, eps: float, n_heads: int, n_kv_heads: int):
+    """:func:`pick_layer` over a run of ``n`` layers as one scan: ``keys, values [n, B, Hkv, T + 1, hd]``,
+    ``attn, mlp [n, B, T, d]`` and ``weights`` (a :class:`~polestar.models.layer_regions.LayerWeights` of
+    ``[n, ...]`` stacks) → ``(out [B, T, d], rows [n, B, R0 + n_pick], keys, values, attn, mlp)``, the buffers as
+    new stacks."""
+    given, present = layer_scan.split_weights(weights)
+
+    def layer(rows_in, xs):
+        layer_keys, layer_values, layer_attn, layer_mlp, *row = xs
+        out, rows, *buffers = pick_layer(grid, n_pick, P, rows_in, base_rows, index, cos, sin, key_valid, layer_keys,
+                                         layer_values, layer_attn, layer_mlp, *layer_scan.join_weights(row, present),
+                                         eps, n_heads, n_kv_heads)
+        return out, (rows, *buffers)
+
+    out, stacked = layer_scan.scan(layer, h, (keys, values, attn, mlp, *given))
+    return (out, *stacked)
+
+
+def _cached_sums(h, attn, mlp):
+    """Layers that recompute no row, one after another: each output is ``(input + attn) + mlp`` of the layer's
+    cached outputs ``attn, mlp [n, B, T, d]`` (one scan)."""
+    def layer(rows, xs):
+        layer_attn, layer_mlp = xs
+        out = (rows + layer_attn) + layer_mlp
+        return out, out.new_empty(0)
+
+    return layer_scan.scan(layer, h, (attn, mlp))[0]
 
 
 def _heads_last(v: torch.Tensor) -> torch.Tensor:

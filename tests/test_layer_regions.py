@@ -13,6 +13,8 @@ from polestar.testing import tiny_model
 
 PROMPTS = [[5, 17, 3, 8], [9, 1, 22, 30, 4, 11]]
 POLICIES = ["fast-dllm", "polestar", "elastic-cache", "dllm-cache"]
+#: policies whose every step runs its layers as scans: a step graph does not grow with depth at all
+SCANNED = {"fast-dllm", "dllm-cache"}
 
 
 def _captured(policy: str, layers: int) -> list[torch.fx.GraphModule]:
@@ -44,13 +46,13 @@ def _graph_shape(policy: str, layers: int) -> tuple[int, collections.Counter, co
 def test_step_graphs_and_compiled_regions_do_not_depend_on_depth(policy):
     """From 3 layers on (a first layer, a middle one, a last one: Polestar's update step runs its middle layers as
     a region of their own), more layers mean more calls of the same regions, not more regions or graphs; a policy
-    whose steps run every layer without a hook (``fast-dllm``) has the same graphs, node for node, at any depth (the
-    layers are one scan, :mod:`polestar.models.layer_scan`)."""
+    whose layers run as scans (:mod:`polestar.models.layer_scan`; :data:`SCANNED`) has the same graphs, node for
+    node, at any depth."""
     n3, regions3, calls3, nodes3 = _graph_shape(policy, 3)
     n5, regions5, calls5, nodes5 = _graph_shape(policy, 5)
     assert n3 == n5  # one graph per step phase, whatever the depth
     assert regions3 == regions5  # the regions each graph compiles: the same few at any depth
-    if policy == "fast-dllm":
+    if policy in SCANNED:
         assert nodes3 == nodes5 and sum(calls5.elements()) == 0
     else:
         assert sum(calls5.elements()) > sum(calls3.elements())  # ... called once more per layer
