@@ -68,61 +68,43 @@ class LayerBytes(NamedTuple):
 
 
 class CostMeter:
-    """Accumulates a :class:`StepCost` while a forward pass runs (one meter per pass).
-
-    The four counts live in one list (``weight_bytes, kv_bytes, layer_rows, probe_rows``), read through properties:
-    dynamo keeps an item write to a list made in the traced step after a scan over layers
-    (:mod:`~polestar.models.layer_scan`), where torch 2.13 drops an attribute write made after it."""
+    """Accumulates a :class:`StepCost` while a forward pass runs (one meter per pass)."""
 
     def __init__(self) -> None:
-        self._counts = [0, 0, 0, 0]
-
-    @property
-    def weight_bytes(self) -> int:
-        return self._counts[0]
-
-    @property
-    def kv_bytes(self) -> int:
-        return self._counts[1]
-
-    @property
-    def layer_rows(self) -> int:
-        return self._counts[2]
-
-    @property
-    def probe_rows(self) -> int:
-        return self._counts[3]
+        self.weight_bytes = 0
+        self.kv_bytes = 0
+        self.layer_rows = 0
+        self.probe_rows = 0
 
     def read(self, weight_bytes: int) -> None:
         """One pass over weights of ``weight_bytes`` bytes (a layer's part, from its :class:`LayerBytes`)."""
-        self._counts[0] += weight_bytes
+        self.weight_bytes += weight_bytes
 
     def weight(self, weight: torch.Tensor) -> None:
         """One pass over a raw weight (a norm's scale, a tied LM head)."""
-        self._counts[0] += _bytes(weight)
+        self.weight_bytes += _bytes(weight)
 
     def embedding(self, weight: torch.Tensor, rows: int) -> None:
         """An embedding lookup of ``rows`` rows reads only those rows."""
-        self._counts[0] += rows * weight.shape[-1] * weight.element_size()
+        self.weight_bytes += rows * weight.shape[-1] * weight.element_size()
 
     def attention(self, keys: torch.Tensor, values: torch.Tensor | None) -> None:
         """An attention read of the cached ``keys`` (and ``values``, None for probabilities only)."""
-        self._counts[1] += keys.numel() * keys.element_size()
+        self.kv_bytes += keys.numel() * keys.element_size()
         if values is not None:
-            self._counts[1] += values.numel() * values.element_size()
+            self.kv_bytes += values.numel() * values.element_size()
 
     def rows(self, layer_rows: int = 0, probe_rows: int = 0) -> None:
-        self._counts[2] += layer_rows
-        self._counts[3] += probe_rows
+        self.layer_rows += layer_rows
+        self.probe_rows += probe_rows
 
     def add(self, weight_bytes: int = 0, kv_bytes: int = 0, layer_rows: int = 0, probe_rows: int = 0) -> None:
         """Counts worked out by the caller, added in one call (a layer region's glue counts its whole layer at once:
         each call a compiled step traces costs it compile time at every layer)."""
-        counts = self._counts
-        counts[0] += weight_bytes
-        counts[1] += kv_bytes
-        counts[2] += layer_rows
-        counts[3] += probe_rows
+        self.weight_bytes += weight_bytes
+        self.kv_bytes += kv_bytes
+        self.layer_rows += layer_rows
+        self.probe_rows += probe_rows
 
     def result(self) -> StepCost:
-        return StepCost(*self._counts)
+        return StepCost(self.weight_bytes, self.kv_bytes, self.layer_rows, self.probe_rows)

@@ -30,9 +30,42 @@ except ImportError:  # pragma: no cover - torch without the scan operator
     _scan = None
 
 
+def _live_side_effects() -> bool:
+    """Make dynamo's view of an object's ``__dict__`` read the trace's current side-effect table; → whether it does.
+
+    dynamo (torch 2.13) traces a higher-order operator's body on a copy of its side-effect table and then swaps the
+    copy back in, but the view it keeps of each object's ``__dict__`` (``SideEffectsProxyDict``) holds the table it
+    was made with: an attribute write to an object touched before a scan, made after the scan, goes to the old table
+    and is lost from the compiled step (a counter on the step's cost meter, the packet a hook hands to the next layer
+    would silently keep their values from before the scan). The view reads the table through the trace's output
+    graph instead. Where this torch has no such view the writes need no fix; where it has one of another shape, no
+    scan is used."""
+    try:
+        from torch._dynamo.side_effects import SideEffects
+        from torch._dynamo.variables.dicts import SideEffectsProxyDict
+    except ImportError:  # pragma: no cover - another dynamo layout: no view that could hold a table
+        return True
+    if isinstance(SideEffectsProxyDict.__dict__.get("side_effects"), property):
+        return True
+    if "output_graph_weakref" not in SideEffects.__init__.__code__.co_names + SideEffects.clone.__code__.co_names:
+        return False  # pragma: no cover - a dynamo whose tables name their trace differently
+
+    def table(view) -> SideEffects:
+        return view._trace().side_effects
+
+    def made_with(view, side_effects: SideEffects) -> None:
+        view._trace = side_effects.output_graph_weakref
+
+    SideEffectsProxyDict.side_effects = property(table, made_with)
+    return True
+
+
+_WRITES_KEPT = _scan is not None and _live_side_effects()
+
+
 def available() -> bool:
-    """Whether this torch has the scan operator."""
-    return _scan is not None
+    """Whether this torch has the scan operator and dynamo keeps the step's Python writes made after one."""
+    return _WRITES_KEPT
 
 
 def scan(layer_fn, carry, xs):
