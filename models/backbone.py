@@ -415,13 +415,13 @@ class DiffusionLM(nn.Module):
     def _hook_run(self, layer: int, h, index, rope: RopeTable, cache: DecodeCache, per_layer: bool,
                   probe: AttentionProbe | None, hook: LayerHook | None, meter: CostMeter):
         """``hook.whole_run`` (:class:`~polestar.models.hooks.LayerHook`) where a whole-step compile could scan the
-        layers from ``layer`` on (no probe among them, the plan's slots the same at every layer, no stored layer
-        input), else None."""
+        layers from ``layer`` on (the plan's slots the same at every layer, no stored layer input; the run ends
+        before a probed layer), else None."""
         if (hook is None or not hasattr(hook, "whole_run") or per_layer or cache.hidden is not None
-                or cache.k_stack is None or (probe is not None and probe.layer >= layer)
-                or not layer_scan.available() or not layer_regions.in_whole_step()):
+                or cache.k_stack is None or not layer_scan.available() or not layer_regions.in_whole_step()):
             return None
-        return hook.whole_run(layer, h, index, rope, meter)
+        until = probe.layer if probe is not None and probe.layer >= layer else self.spec.n_layers
+        return hook.whole_run(layer, h, index, rope, meter, until) if until > layer else None
 
     def _scan_layers(self, first: int, end: int, h, index, rope: RopeTable, cache: DecodeCache,
                      meter: CostMeter) -> torch.Tensor:

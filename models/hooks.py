@@ -60,12 +60,13 @@ class LayerHook(Protocol):
         rows' outputs ``[B, C, d]``; or None (default): the layer runs its pass with the three calls below."""
         return None
 
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable,
-                  meter: CostMeter) -> tuple[torch.Tensor, int] | None:
-        """Run layers ``layer .. end - 1`` for the plan rows ``h [B, C, d]`` as one scan of the hook's own over the
-        layer-stacked tensors (:mod:`~polestar.models.layer_scan`; asked in a whole-step compile only, before
-        :meth:`whole_layer`), writing their buffers back and counting on ``meter`` → ``(outputs [B, C, d], end)``;
-        or None (default): layer ``layer`` runs on its own."""
+    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, meter: CostMeter,
+                  until: int) -> tuple[torch.Tensor, int] | None:
+        """Run layers ``layer .. end - 1`` (``end <= until``: a later layer is probed, or the last) for the plan
+        rows ``h [B, C, d]`` as one scan of the hook's own over the layer-stacked tensors
+        (:mod:`~polestar.models.layer_scan`; asked in a whole-step compile only, before :meth:`whole_layer`),
+        writing their buffers back and counting on ``meter`` → ``(outputs [B, C, d], end)``; or None (default):
+        layer ``layer`` runs on its own."""
         return None
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | None:

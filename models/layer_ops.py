@@ -88,6 +88,14 @@ class LayerOps:
         views of :meth:`~polestar.models.backbone.DiffusionLM.stacked_weights`), for a hook that scans them."""
         return LayerWeights(*(None if t is None else t[first:end] for t in self._model.stacked_weights()))
 
+    def stacked_query_weights(self, first: int, end: int) -> tuple:
+        """:meth:`query_weights` of layers ``first .. end - 1`` stacked (each ``[end - first, ...]`` or None): views
+        of the layer stacks (the q rows of the fused q/k/v)."""
+        st = self._model.stacked_weights()
+        q_rows = self.spec.n_heads * self.spec.head_dim
+        return (st.attn_norm[first:end], None if st.attn_norm_bias is None else st.attn_norm_bias[first:end],
+                st.qkv[first:end, :q_rows], None if st.qkv_bias is None else st.qkv_bias[first:end, :q_rows])
+
     def query_weights(self, layer: int) -> tuple:
         """Layer ``layer``'s attention norm and q projection as :func:`~polestar.models.layer_regions.project_rows`
         takes them: ``(norm weight, norm bias, q weight, q bias)`` (biases None where the checkpoint has none)."""

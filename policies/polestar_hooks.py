@@ -128,7 +128,9 @@ class PolestarBuildHook(LayerHook):
         self.together = sel.clusters_together(state.x.device)
         #: layers clustered per clusterer call when together (all of them unless that would hold too many inputs)
         self.group = sel.layers_per_cluster_call(B, window.size, ops.spec.d_model, ops.spec.n_layers)
-        self.inputs: list[torch.Tensor] = []  # each layer's window inputs [B, Nw, d], kept when clustering together
+        #: the window inputs kept when clustering together, in chunks of layers ``[n, B, Nw, d]`` (one per layer, or
+        #: one for a scanned run of layers)
+        self.inputs: list[torch.Tensor] = []
         self.build = self._build_regions()
 
     def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
@@ -180,10 +182,11 @@ class PolestarBuildHook(LayerHook):
         for i in range(hw.shape[0] if store_rows else 0):
             with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
                 buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
-        layers = range(first, first + hw.shape[0])  # one buffer per layer (see WindowBuffers), one copy per kind
-        for kept, new in ((buf.centroids, centroids), (buf.labels, labels), (buf.counts, counts),
-                          (buf.centroid_pos, centroid_pos)):
-            torch._foreach_copy_([kept[layer] for layer in layers], list(new.unbind(0)))
+        span = slice(first, first + hw.shape[0])  # the layers' rows of each stack (see WindowBuffers): one copy each
+        stacks = buf.stacks
+        for kept, new in ((stacks.centroids, centroids), (stacks.labels, labels), (stacks.counts, counts),
+                          (stacks.centroid_pos, centroid_pos)):
+            kept[span].copy_(new)
         return centroids, centroid_pos, anchor
 
     def _build_regions(self):
@@ -203,15 +206,34 @@ class PolestarBuildHook(LayerHook):
         ops = self.ops
         out, window = build.layer(layer, h, index, rope, self.cache, ops.layer_weights(layer), self.slots, meter,
                                   ops.layer_bytes(layer))
-        self.inputs.append(window)
-        if len(self.inputs) == self.group or layer == ops.spec.n_layers - 1:  # their K/V are written
+        self.inputs.append(window[None])
+        if self._kept() == self.group or layer == ops.spec.n_layers - 1:  # their K/V are written
             self._cluster_kept(layer, meter)
         return out
+
+    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, meter, until: int):
+        """Layers ``0 .. until - 1`` of the block start's pass as one scan
+        (:meth:`~polestar.policies.polestar_update.BuildLayer.layers`), where the regions run this step and one
+        clusterer call takes every layer; their windows kept for it (clustered, stored and scored after the last
+        layer). None elsewhere."""
+        build, ops = self.build, self.ops
+        L = ops.spec.n_layers
+        if build is None or layer != 0 or self.group < L:
+            return None
+        done = build.layers(0, until, h, index, rope, self.cache, ops.stacked_weights(0, until), self.slots, meter,
+                            [ops.layer_bytes(i) for i in range(until)])
+        if done is None:
+            return None
+        out, windows = done
+        self.inputs.append(windows)
+        if until == L:  # every layer's K/V are written
+            self._cluster_kept(L - 1, meter)
+        return out, until
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
         hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
         if self.together:
-            self.inputs.append(hw)
+            self.inputs.append(hw[None])
             return None
         keys = None if self.buffers.keys is None else self.buffers.keys[layer : layer + 1]
         centroids, centroid_pos, _anchor = self._record(layer, hw[None], keys)
@@ -231,20 +253,32 @@ class PolestarBuildHook(LayerHook):
             with scope("proxy_attention"):
                 self.buffers.prev[layer].copy_(proxy_probs(self.ops, self.cache, layer, local.key_rope,
                                                            qkv.q[:, :, C:], qkv.meter))
-        elif len(self.inputs) == self.group or layer == self.ops.spec.n_layers - 1:  # their K/V are written
+        elif self._kept() == self.group or layer == self.ops.spec.n_layers - 1:  # their K/V are written
             self._cluster_kept(layer, qkv.meter)
         return None
 
+    def _kept(self) -> int:
+        """Layers whose window inputs are kept for the next clusterer call."""
+        return sum(t.shape[0] for t in self.inputs)
+
     def _cluster_kept(self, last: int, meter) -> None:
         """Cluster the kept window inputs of layers ``.. last`` in one clusterer call, then score each layer's
-        centroid queries (a pass over the layer's q weight of their own) against its keys."""
+        centroid queries (a pass over the layer's q weight of their own) against its keys (where the regions run,
+        as one scan over the layers when every one of them is scored)."""
         local, ops = self.local, self.ops
-        first = last + 1 - len(self.inputs)
+        first = last + 1 - self._kept()
         keys = None if self.buffers.keys is None else self.buffers.keys[first : last + 1]
         build = self.build
-        hw = torch.stack(self.inputs)
+        hw = self.inputs[0] if len(self.inputs) == 1 else torch.cat(self.inputs)
         centroids, centroid_pos, anchor = self._record(first, hw, keys, store_rows=build is None)
         self.inputs.clear()
+        n_layers = ops.spec.n_layers
+        if (build is not None and all(self.sel.refreshes_layer(layer, n_layers) for layer in range(first, last + 1))
+                and build.finish_run(first, last + 1, hw, anchor, centroids, self.cache,
+                                     ops.stacked_query_weights(first, last + 1), local.key_rope,
+                                     self.buffers.stacks.prev[first : last + 1], meter,
+                                     sum(ops.query_bytes(layer) for layer in range(first, last + 1)))):
+            return
         for i, layer in enumerate(range(first, last + 1)):
             refreshes = self.sel.refreshes_layer(layer, ops.spec.n_layers)
             if build is not None and refreshes:  # stored and scored in one region
@@ -301,6 +335,22 @@ class PolestarMembers(MemberStrategy):
             layer, h, index, rope, self.cache, ops.layer_weights(layer), packet, self.buffers, self.window.valid,
             self.row_slot, self.proxy_slots, self.due, self.local.key_rope, meter, ops.layer_bytes(layer))
         return out, Packet(rows, valid, members_out)
+
+    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, packet: Packet | None,
+                  meter, until: int):
+        """The middle layers ``1 .. L - 2`` with a packet as one scan (:meth:`~polestar.policies.polestar_update.
+        UpdateLayer.run`) in a whole-step compile; None elsewhere (each layer on its own)."""
+        update, ops = self.update, self.ops
+        L = ops.spec.n_layers
+        if update is None or packet is None or layer != 1 or L < 3 or until < L - 1:
+            return None
+        done = update.run(1, L - 1, h, index, rope, self.cache, ops.stacked_weights(1, L - 1), packet, self.buffers,
+                          self.window.valid, self.row_slot, self.proxy_slots, self.due, self.local.key_rope, meter,
+                          [ops.layer_bytes(i) for i in range(1, L - 1)])
+        if done is None:
+            return None
+        out, members_out, rows, valid, chosen = done
+        return out, Packet(rows, valid, members_out), chosen, L - 1
 
     def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
         """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""

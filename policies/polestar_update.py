@@ -37,7 +37,7 @@ import torch
 
 from polestar.kernels.member_choice import centroid_shift, cluster_members
 from polestar.kernels.proxy_attention import proxy_attention
-from polestar.models import layer_regions
+from polestar.models import layer_regions, layer_scan
 from polestar.models.layer_regions import attend_mlp, qkv_rows, region
 from polestar.models.layers import RopeTable
 from polestar.models.spec import ModelSpec
@@ -48,6 +48,12 @@ if TYPE_CHECKING:
     from polestar.models.cost import CostMeter
 
     from .refresh_polestar import PolestarRefresh
+
+
+def _split(tensors) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The given tensors of ``tensors`` (None skipped: a scan's inputs are tensors) and their positions."""
+    present = tuple(i for i, t in enumerate(tensors) if t is not None)
+    return tuple(tensors[i] for i in present), present
 
 
 def _region_of(fn, name: str):
@@ -167,6 +173,56 @@ class UpdateLayer:
         return out, members_out, rows, valid
 
 
+    def run(self, first: int, end: int, h, index, rope: RopeTable, cache, weights, packet, buffers, window_valid,
+            row_slot, proxy_slots, due, key_rope, meter: CostMeter, layer_bytes: list):
+        """Layers ``first .. end - 1`` (middle layers) as one scan of :meth:`_layer` over the layer-stacked tensors
+        (:mod:`~polestar.models.layer_scan`): the packet and the plan rows carried from layer to layer, each layer's
+        buffers rewritten as rows of new stacks and copied back. ``weights``: the layers' stacked tensors
+        (:meth:`~polestar.models.layer_ops.LayerOps.stacked_weights`); ``layer_bytes``: their
+        :class:`~polestar.models.cost.LayerBytes`, each counted as :meth:`__call__` counts its layer. → the plan
+        rows' outputs ``[B, C, d]``, the last layer's members' outputs ``[B, M, d]``, its members ``rows, valid
+        [B, M]`` and every layer's ``valid`` side by side ``[B, n · M]``; or None where the layers' stores are not
+        stacked or not all anchored alike (then each layer runs as :meth:`__call__`)."""
+        store, qstore, stacks = self.store, self.qstore, buffers.stacks
+        anchored = store.anchored[first]
+        if (store.stacked is None or qstore.stacked is None or stacks is None
+                or any(store.anchored[layer] != anchored for layer in range(first, end))):
+            return None
+        span = slice(first, end)
+        given, present = layer_scan.split_weights(weights)
+        anchor = (store.anchor_stack[span],) if anchored else ()
+        key_cos, key_sin = key_rope if key_rope is not None else (None, None)
+        table = cache.position_rope
+        n_given, n_anchor = len(given), len(anchor)
+        written = (cache.k_stack[span], cache.v_stack[span], stacks.centroids[span], stacks.prev[span],
+                   *(t[span] for t in store.stacked), *(t[span] for t in qstore.stacked))
+
+        def layer(carry, xs):
+            rows_in, p_rows, p_valid, p_out = carry
+            keys, values, centroids, prev, *rest = xs[: len(written)]
+            labels, counts, centroid_pos, *more = xs[len(written):]
+            stored, qstored = rest[: len(store.stacked)], rest[len(store.stacked):]
+            layer_weights = layer_scan.join_weights(more[:n_given], present)
+            out, members_out, rows, valid, *new = self._layer(
+                anchored, rows_in, index, rope.cos, rope.sin, table.cos, table.sin, cache.positions, cache.key_valid,
+                keys, values, *layer_weights, p_rows, p_valid, p_out, centroids, labels, counts, centroid_pos, prev,
+                window_valid, row_slot, proxy_slots, due, key_cos, key_sin, *more[n_given: n_given + n_anchor],
+                *stored, *qstored)
+            return (out, rows, valid, members_out), (valid.clone(), *new)
+
+        xs = (*written, stacks.labels[span], stacks.counts[span], stacks.centroid_pos[span], *given, *anchor)
+        carry = (h.contiguous(), packet.rows, packet.valid, packet.out.clone())
+        (out, rows, valid, members_out), (valids, *new) = layer_scan.scan(layer, carry, xs)
+        for kept, fresh in zip(written, new):
+            kept.copy_(fresh)
+        B, C = index.shape
+        n = end - first
+        meter.add(sum(b.qkv_pass + b.out_mlp_pass for b in layer_bytes),
+                  n * cache.layer_kv_bytes * (3 if key_rope is None else 4), n * B * (C + rows.shape[1]),
+                  n * B * (packet.rows.shape[1] + stacks.centroids.shape[2]))
+        return out, members_out, rows, valid, valids.transpose(0, 1).reshape(B, -1)
+
+
 class BuildLayer:
     """A Polestar block start's layers as two nested compile regions, for the route that clusters every layer
     together (:meth:`~polestar.policies.refresh_polestar.PolestarRefresh.clusters_together`), in a whole-step
@@ -226,6 +282,78 @@ class BuildLayer:
         meter.add(layer_bytes.qkv_pass + layer_bytes.out_mlp_pass, 2 * cache.layer_kv_bytes,
                   h.shape[0] * h.shape[1])
         return out, window
+
+    def layers(self, first: int, end: int, h, index, rope: RopeTable, cache, weights, slots, meter: CostMeter,
+               layer_bytes: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layers ``first .. end - 1`` of the block start's pass as one scan of :meth:`_layer_function` over the
+        layer-stacked tensors (:mod:`~polestar.models.layer_scan`; ``weights``: their stacks, ``layer_bytes``: their
+        :class:`~polestar.models.cost.LayerBytes`) → the plan rows' outputs ``[B, C, d]`` and every layer's window
+        inputs ``[n, B, Nw, d]``; None where the query store is not stacked (each layer runs as :meth:`layer`)."""
+        qstore = self.qstore
+        if qstore.stacked is None:
+            return None
+        span = slice(first, end)
+        given, present = layer_scan.split_weights(weights)
+        written = (cache.k_stack[span], cache.v_stack[span], *(t[span] for t in qstore.stacked))
+
+        def layer(rows, xs):
+            keys, values, *rest = xs
+            qstored, row = rest[: len(qstore.stacked)], rest[len(qstore.stacked):]
+            out, window, *new = self._layer_function(rows, index, rope.cos, rope.sin, cache.key_valid, keys, values,
+                                                     *layer_scan.join_weights(row, present), slots, *qstored)
+            return out, (window, *new)
+
+        out, (windows, *new) = layer_scan.scan(layer, h.contiguous(), (*written, *given))
+        for kept, fresh in zip(written, new):
+            kept.copy_(fresh)
+        for i in range(first, end):
+            qstore.anchored[i] = False
+        n = end - first
+        meter.add(sum(b.qkv_pass + b.out_mlp_pass for b in layer_bytes), 2 * n * cache.layer_kv_bytes,
+                  n * h.shape[0] * h.shape[1])
+        return out, windows
+
+    def finish_run(self, first: int, end: int, windows, anchors, centroids, cache, query_weights, key_rope, prev,
+                   meter: CostMeter, query_bytes: int) -> bool:
+        """:meth:`finish` for layers ``first .. end - 1`` as one scan: ``windows [n, B, Nw, d]``, ``anchors`` (same
+        shape, or None), ``centroids [n, B, K, d]``, ``query_weights`` the layers' attention norm (weight, bias)
+        and q projection (weight, bias) stacked ``[n, ...]`` (None where absent), ``prev [n, B, H, K, T + 1]`` (the
+        layers' rows of the stack, written); ``query_bytes``: the bytes of all of them. → False (nothing done)
+        where the window store is not stacked."""
+        store = self.store
+        if store.stacked is None:
+            return False
+        span = slice(first, end)
+        anchored = anchors is not None and not store.quant.lossless
+        key_cos, key_sin = key_rope if key_rope is not None else (None, None)
+        given, present = _split(query_weights)
+        kept = (store.anchor_stack[span],) if anchored else ()
+        written = (*(t[span] for t in store.stacked), *kept)
+        n_written = len(written)
+
+        def layer(carry, xs):
+            keys, window, layer_centroids, *rest = xs
+            stored_and_kept, rest = rest[:n_written], rest[n_written:]
+            anchor, row = (rest[:1], rest[1:]) if anchored else ((), rest)
+            weights = [None] * 4
+            for i, t in zip(present, row):
+                weights[i] = t
+            stored = stored_and_kept[: len(store.stacked)]
+            probs, *new = self._finish_function(anchored, window, layer_centroids, keys, cache.key_valid, key_cos,
+                                                key_sin, *weights, *anchor, *stored_and_kept[len(stored):], *stored)
+            return carry.clone(), (probs, *new)
+
+        xs = (cache.k_stack[span], windows, centroids, *written, *((anchors,) if anchored else ()), *given)
+        _, (probs, *new) = layer_scan.scan(layer, centroids.new_zeros(()), xs)
+        for i in range(first, end):
+            store.anchored[i] = anchored
+        for old, fresh in zip(written, new):
+            old.copy_(fresh)
+        prev.copy_(probs)
+        B, K = centroids.shape[1], centroids.shape[2]
+        n = end - first
+        meter.add(query_bytes, n * cache.layer_kv_bytes * (1 if key_rope is None else 2), probe_rows=n * B * K)
+        return True
 
     def _finish_function(self, anchored: bool, window, centroids, keys, key_valid, key_cos, key_sin, attn_norm,
                          attn_norm_bias, q_weight, q_bias, *leaves):

@@ -150,12 +150,12 @@ class _FeatureHook(LayerHook):
             rows = self.arange[:P] if self.prompt else self.arange[:0]
         return rows.expand(B, -1)
 
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter):
+    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter, until: int):
         """Layers ``1 .. L - 1`` as one scan (:mod:`~polestar.models.layer_scan`): of :func:`pick_layer` where they
         pick, else of the feature-cached pass over the same rows (or, with no row to recompute, of the cached
         outputs' sums). None at layer 0 or while an observer records."""
         L, B, P, spec = self.state.n_layers, self.state.batch_size, self.state.prompt_len, self.ops.spec
-        if layer != 1 or L < 2 or self.state.detail is not None:
+        if layer != 1 or L < 2 or until < L or self.state.detail is not None:
             return None
         cache, local, n = self.cache, self.local, L - 1
         attn, mlp = local.attn_stack[1:], local.mlp_stack[1:]

@@ -278,8 +278,9 @@ class WindowBuffers:
     and window part, shared by the batch; None for a clusterer without keys), and per layer (a tuple of ``L`` tensors
     each, as the cache's K/V: a layer's writes then compile to the same kernels at every layer) the block start's
     clusters: ``centroids [B, K, d]``, ``labels [B, Nw]`` (-1 invalid), ``counts [B, K]``, ``centroid_pos [B, K]`` and
-    the last update's proxy distributions ``prev [B, H, K, T+1]``. ``parts``: the window parts' ``(lo, hi, k)``
-    (:func:`window_parts`)."""
+    the last update's proxy distributions ``prev [B, H, K, T+1]``, each tuple the rows of one stack
+    ``[L, ...]`` (``stacks``: a scan over layers reads and writes back the stacks). ``parts``: the window parts'
+    ``(lo, hi, k)`` (:func:`window_parts`)."""
 
     parts: tuple
     store: RowStore
@@ -292,6 +293,8 @@ class WindowBuffers:
     prev: tuple[torch.Tensor, ...]
     #: each layer's member-buffer rows (:meth:`PolestarRefresh.capacities`)
     capacity: tuple[int, ...] = ()
+    #: ``centroids, labels, counts, centroid_pos, prev`` stacked over the layers (the tuples above are their rows)
+    stacks: WindowStacks | None = None
     #: a sparse-update step's middle layers as one region (None where the stages or stores cannot run in one)
     update: UpdateLayer | None = None
     #: a block start's layers as regions (None where the stages or stores cannot run in one)
@@ -308,17 +311,28 @@ class WindowBuffers:
         keys = torch.zeros(L, len(parts), n_max, device=device) if sel.clusterer.needs_keys else None
 
         def zeros(*shape, dt=dtype):
-            return tuple(torch.zeros(*shape, dtype=dt, device=device) for _ in range(L))
+            return torch.zeros(L, *shape, dtype=dt, device=device)
 
         store = RowStore(*args, spec.d_model, device, dtype)
         qstore = RowStore(*args, spec.n_heads * spec.head_dim, device, dtype)
         usable = UpdateLayer.usable(sel, store, qstore)
         update = UpdateLayer(sel, store, qstore, spec, n) if usable else None
         build = BuildLayer(store, qstore, spec) if usable else None
-        return cls(parts, store, qstore, keys, zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long),
-                   zeros(B, K, dt=torch.long), zeros(B, K, dt=torch.long),
-                   zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32), tuple(sel.capacities(n, L)), update,
-                   build)
+        stacks = WindowStacks(zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long), zeros(B, K, dt=torch.long),
+                              zeros(B, K, dt=torch.long), zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32))
+        return cls(parts, store, qstore, keys, *(t.unbind(0) for t in stacks), tuple(sel.capacities(n, L)), stacks,
+                   update, build)
+
+
+class WindowStacks(NamedTuple):
+    """:class:`WindowBuffers`' per-layer clusters as stacks over the layers: ``centroids [L, B, K, d]``, ``labels
+    [L, B, Nw]``, ``counts [L, B, K]``, ``centroid_pos [L, B, K]``, ``prev [L, B, H, K, T+1]``."""
+
+    centroids: torch.Tensor
+    labels: torch.Tensor
+    counts: torch.Tensor
+    centroid_pos: torch.Tensor
+    prev: torch.Tensor
 
 
 @attrs.define

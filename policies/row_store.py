@@ -40,9 +40,21 @@ class RowStore:
         self.device, self.dtype = torch.device(device), dtype
         zeros = torch.zeros(batch, n_rows + 1, dim, device=self.device, dtype=dtype)
         like = tuple(t.contiguous() for t in quant.to_leaves(quant.encode(zeros)))
-        self.stored = [offload.alloc(like) for _ in range(n_layers)]
         lossy = not quant.lossless
-        self.anchor = [torch.zeros_like(zeros) if lossy else None for _ in range(n_layers)]
+        #: every layer's leaves stacked (``[n_layers, B, n_rows + 1, k]`` each) and the anchors (``[n_layers, B,
+        #: n_rows + 1, dim]``, lossy quantizers) where the rows stay on the device: ``stored`` and ``anchor`` are
+        #: their rows (a scan over layers reads and writes back the stacks); None elsewhere
+        self.stacked: tuple[torch.Tensor, ...] | None = None
+        self.anchor_stack: torch.Tensor | None = None
+        if offload.on_device:
+            self.stacked = tuple(t.expand(n_layers, *t.shape).clone() for t in offload.alloc(like))
+            self.stored = [tuple(t[layer] for t in self.stacked) for layer in range(n_layers)]
+            if lossy:
+                self.anchor_stack = zeros.expand(n_layers, *zeros.shape).clone()
+            self.anchor = list(self.anchor_stack.unbind(0)) if lossy else [None] * n_layers
+        else:
+            self.stored = [offload.alloc(like) for _ in range(n_layers)]
+            self.anchor = [torch.zeros_like(zeros) if lossy else None for _ in range(n_layers)]
         self.anchored = [False] * n_layers
         self._all_rows = torch.arange(n_rows, device=self.device).expand(batch, n_rows)
         #: :meth:`read` as stage regions (plain, anchored) where the quantizer and offloader are the package's own
