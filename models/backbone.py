@@ -391,6 +391,9 @@ class DiffusionLM(nn.Module):
             run = self._hook_run(layer, h, index, rope, cache, per_layer, probe, hook, meter)
             if run is not None:  # a run of hooked layers, one scan of the hook's own
                 h, layer = run
+                if per_layer:  # the next layer writes the run's last outputs at that layer's slots
+                    last, valid = plan.at(layer - 1)
+                    prev_index = torch.where(valid, last, trash)
                 continue
             want_probe = probe is not None and probe.layer == layer
             h, probs = self.layer_step(layer, h, index, rope, cache, probe.rows if want_probe else None, hook, meter)
@@ -415,10 +418,12 @@ class DiffusionLM(nn.Module):
     def _hook_run(self, layer: int, h, index, rope: RopeTable, cache: DecodeCache, per_layer: bool,
                   probe: AttentionProbe | None, hook: LayerHook | None, meter: CostMeter):
         """``hook.whole_run`` (:class:`~polestar.models.hooks.LayerHook`) where a whole-step compile could scan the
-        layers from ``layer`` on (the plan's slots the same at every layer, no stored layer input; the run ends
-        before a probed layer), else None."""
-        if (hook is None or not hasattr(hook, "whole_run") or per_layer or cache.hidden is not None
-                or cache.k_stack is None or not layer_scan.available() or not layer_regions.in_whole_step()):
+        layers from ``layer`` on (the cache's buffers stacked; the run ends before a probed layer), else None.
+        Where the plan is per layer, ``h`` is layer ``layer``'s input (its stored input written and gathered); the
+        hook writes and gathers the later layers' itself."""
+        if (hook is None or not hasattr(hook, "whole_run") or cache.k_stack is None
+                or (cache.hidden is not None and cache.hidden_stack is None)
+                or not layer_scan.available() or not layer_regions.in_whole_step()):
             return None
         until = probe.layer if probe is not None and probe.layer >= layer else self.spec.n_layers
         return hook.whole_run(layer, h, index, rope, meter, until) if until > layer else None

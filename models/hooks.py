@@ -66,7 +66,8 @@ class LayerHook(Protocol):
         rows ``h [B, C, d]`` as one scan of the hook's own over the layer-stacked tensors
         (:mod:`~polestar.models.layer_scan`; asked in a whole-step compile only, before :meth:`whole_layer`),
         writing their buffers back and counting on ``meter`` → ``(outputs [B, C, d], end)``; or None (default):
-        layer ``layer`` runs on its own."""
+        layer ``layer`` runs on its own. With a per-layer plan, ``h`` is layer ``layer``'s input and the hook
+        writes each later layer's input into the cache's stored inputs (``hidden_stack``) and gathers it."""
         return None
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | None:

@@ -52,7 +52,7 @@ class DecodeCache:
     ``position_rope``: the rotary factors (a :class:`~polestar.models.layers.RopeTable`, ``[B, T + 1, 1, hd]``) of the
     positions ``0 .. T``, set by the model that makes the cache (``DiffusionLM.new_cache``), else None.
 
-    ``k_stack, v_stack``: the same keys and values as one ``[n_layers, B, n_kv_heads, T + 1, head_dim]`` tensor each,
+    ``k_stack, v_stack`` (and ``hidden_stack``): the same keys and values (layer inputs) as one ``[n_layers, B, n_kv_heads, T + 1, head_dim]`` tensor each,
     whose rows ``k`` and ``v`` are (what a scan over a run of layers reads and writes back,
     :mod:`polestar.models.layer_scan`). A cache made under autograd keeps one tensor per layer instead (None here):
     a full forward under autograd saves every layer's keys, and a write into one row of a stack would bump the
@@ -79,7 +79,15 @@ class DecodeCache:
         #: bytes of one layer's keys (and of its values): what a read of the layer's cache counts, kept as an int so
         #: that a traced step adds it rather than tracing a size query on the buffer at every layer
         self.layer_kv_bytes = self.k[0].numel() * self.k[0].element_size()
-        self.hidden = per_layer(B, T + 1, spec.d_model) if store_hidden else None
+        #: the stored layer inputs as one ``[n_layers, B, T + 1, d_model]`` tensor (rows ``hidden``), where stacked
+        self.hidden_stack = None
+        if not store_hidden:
+            self.hidden = None
+        elif torch.is_grad_enabled():
+            self.hidden = per_layer(B, T + 1, spec.d_model)
+        else:
+            self.hidden_stack = torch.zeros(L, B, T + 1, spec.d_model, dtype=dtype, device=device)
+            self.hidden = self.hidden_stack.unbind(0)
         self.key_valid, self.positions = _validity_and_positions(attention_mask)
         self.position_rope = None
 

@@ -51,12 +51,12 @@ import torch.nn.functional as F
 from attrs import validators as v
 
 from polestar.kernels.proxy_attention import proxy_attention
-from polestar.models import layer_regions
+from polestar.models import layer_regions, layer_scan
 from polestar.models.backbone import LayerQKV
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layer_regions import StageRegion, attend_mlp, qkv_rows
-from polestar.models.layers import Rotary
+from polestar.models.layers import RopeTable, Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
 from polestar.registry import register
@@ -102,11 +102,11 @@ class ElasticCacheRefresh(RefreshSelector):
 
     def begin_generation(self, local: ElasticState, state: DecodeState, cache: DecodeCache, model) -> None:
         spec = model.spec
-        if local.q is None:  # allocated once per shape (the model's head width is known here), one per layer
-            local.q = tuple(torch.zeros(state.batch_size, spec.n_heads, state.length + 1, spec.head_dim,
-                                        dtype=cache.k[0].dtype, device=state.x.device) for _ in range(spec.n_layers))
-        for q in local.q:
-            q.zero_()
+        if local.q is None:  # allocated once per shape (the model's head width is known here), a row per layer
+            local.q_stack = torch.zeros(spec.n_layers, state.batch_size, spec.n_heads, state.length + 1,
+                                        spec.head_dim, dtype=cache.k[0].dtype, device=state.x.device)
+            local.q = local.q_stack.unbind(0)
+        local.q_stack.zero_()
         local.track.zero_()
         local.fired.fill_(state.n_layers)
         local.deferred.zero_()
@@ -397,6 +397,8 @@ class ElasticState:
     fired0: torch.Tensor
     sim0: torch.Tensor
     layer_ids: torch.Tensor
+    #: ``q`` as one ``[L, B, H, T + 1, hd]`` tensor (its rows are ``q``)
+    q_stack: torch.Tensor | None = None
 
 
 class _TrackPass(LayerHook):
@@ -450,6 +452,83 @@ class _TrackPass(LayerHook):
         meter.add(counted.qkv_pass + counted.out_mlp_pass, key_bytes * (key_reads + 2), B * C,
                   probe_rows)
         return out
+
+    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter, until: int):
+        """Layer ``layer`` as its region (:meth:`whole_layer`), then layers ``layer + 1 .. until - 1``, which do the
+        same work, as one scan of :func:`_checked_layer` (steps with the trigger test) or :func:`_tracked_layer`
+        over the layer-stacked tensors (:mod:`~polestar.models.layer_scan`): each layer's input stored (per-layer
+        plans: the previous layer's outputs written at their slots and the layer's slots gathered, as the backbone
+        does), the buffers it rewrote and the trigger copied back. None while an observer records."""
+        local, cache, state, spec = self.local, self.cache, self.state, self.ops.spec
+        if self.detail is not None or local.q_stack is None or cache.hidden_stack is None:
+            return None
+        out = self.whole_layer(layer, h, index, rope, meter)
+        first = layer + 1
+        if first >= until:
+            return out, first
+        span = slice(first, until)
+        plan, trash, d = self.plan, cache.trash, spec.d_model
+        per_layer = plan.per_layer
+        checks = self.checks(first)
+        given, present = layer_scan.split_weights(self.ops.stacked_weights(first, until))
+        written = (cache.k_stack[span], cache.v_stack[span], local.q_stack[span], local.track[span],
+                   cache.hidden_stack[span])
+        if per_layer:
+            indices = plan.index[span] if isinstance(plan.index, torch.Tensor) else torch.stack(plan.index[span])
+            valids = plan.valid[span] if isinstance(plan.valid, torch.Tensor) else torch.stack(plan.valid[span])
+            slots = (indices, valids)
+        else:
+            slots = ()
+        table = cache.position_rope
+        sizes = (spec.norm_eps, spec.n_heads, spec.n_kv_heads, self.scale, self.sel.config.track_num, state.length)
+        window = self.window_slots(first)
+        tracked = self.tracked_slots(first) if checks else None
+        if tracked is not None and tracked is self.track_pos:
+            tracked = tracked.clone()  # a region refuses one tensor given twice
+
+        def layer_fn(carry, xs):
+            rows, prev, fired = carry
+            keys, values, q_layer, track, hidden, layer_id, *rest = xs
+            if per_layer:
+                layer_index, layer_valid, *row = rest
+                layer_index = torch.where(layer_valid, layer_index, trash)
+                hidden = hidden.scatter(1, prev[..., None].expand(-1, -1, d), rows)
+                rows = hidden.gather(1, layer_index[..., None].expand(-1, -1, d))
+                cos, sin = RopeTable(table.cos, table.sin).rows(cache.positions.gather(1, layer_index))
+            else:
+                row, layer_index, (cos, sin) = rest, index, (rope.cos, rope.sin)
+                hidden = hidden.scatter(1, layer_index[..., None].expand(-1, -1, d), rows)
+            common = (rows, layer_index, cos, sin, cache.key_valid, keys, values,
+                      *layer_scan.join_weights(row, present), q_layer, window, state.region_valid, self.masked, track)
+            if checks:
+                new_out, keys, values, q_layer, track, fired = _checked_layer(
+                    *common, state.active, self.track_pos, tracked, self.track_valid, fired, layer_id, *sizes,
+                    self.sel.config.gamma, state.n_layers)
+            else:
+                new_out, keys, values, q_layer, track = _tracked_layer(*common, self.retrack_rows(layer_id), *sizes)
+                fired = fired.clone()
+            return (new_out, layer_index.clone(), fired), (keys, values, q_layer, track, hidden)
+
+        carry_rows, carry_index = out, index.clone()  # (the body reads `index` too: no input given twice)
+        if per_layer:  # the first scanned layer's input, as the backbone makes it (its slots may differ in number
+            # from this layer's: a scan carries one shape); its body writes the same rows back, a no-op
+            cache.hidden[first].scatter_(1, index[..., None].expand(-1, -1, d), out)
+            carry_index = torch.where(valids[0], indices[0], trash)
+            carry_rows = cache.hidden[first].gather(1, carry_index[..., None].expand(-1, -1, d))
+        xs = (*written, local.layer_ids[span], *slots, *given)
+        (out, _, fired), new = layer_scan.scan(layer_fn, (carry_rows, carry_index, local.fired.clone()), xs)
+        for kept, fresh in zip(written, new):
+            kept.copy_(fresh)
+        if checks:
+            local.fired.copy_(fired)
+        B = index.shape[0]
+        C = plan.at(first)[0].shape[1]
+        n = until - first
+        key_reads = 3 if checks else 1
+        meter.add(sum(b.qkv_pass + b.out_mlp_pass for b in map(self.ops.layer_bytes, range(first, until))),
+                  n * cache.layer_kv_bytes * (key_reads + 2), n * B * C,
+                  n * B * self.track_pos.shape[1] if checks else 0)
+        return out, until
 
     def check(self, layer: int, qkv: LayerQKV) -> None:
         """The trigger test (``cached`` steps only)."""
