@@ -52,10 +52,11 @@ class DecodeCache:
     ``position_rope``: the rotary factors (a :class:`~polestar.models.layers.RopeTable`, ``[B, T + 1, 1, hd]``) of the
     positions ``0 .. T``, set by the model that makes the cache (``DiffusionLM.new_cache``), else None.
 
-    ``k_stack, v_stack`` (and ``hidden_stack``): the same keys and values (layer inputs) as one ``[n_layers, B, n_kv_heads, T + 1, head_dim]`` tensor each,
-    whose rows ``k`` and ``v`` are (what a scan over a run of layers reads and writes back,
-    :mod:`polestar.models.layer_scan`). A cache made under autograd keeps one tensor per layer instead (None here):
-    a full forward under autograd saves every layer's keys, and a write into one row of a stack would bump the
+    ``k_stack, v_stack``: the same keys and values as one ``[n_layers, B, n_kv_heads, T + 1, head_dim]`` tensor
+    each, whose rows ``k`` and ``v`` are, and ``hidden_stack`` the stored inputs as one ``[n_layers, B, T + 1,
+    d_model]`` (what a scan over a run of layers reads and writes back, :mod:`polestar.models.layer_scan`). A cache
+    made under autograd keeps one tensor per layer instead (None here): a full forward under autograd saves every
+    layer's keys, and a write into one row of a stack would bump the
     autograd version of all of them.
     """
 
