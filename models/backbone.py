@@ -437,8 +437,8 @@ class DiffusionLM(nn.Module):
         out, keys, values = layer_scan.plain_layers(
             h, index, rope.cos, rope.sin, cache.key_valid, cache.k_stack[first:end], cache.v_stack[first:end],
             weights, spec.norm_eps, spec.n_heads, spec.n_kv_heads)
-        cache.k_stack[first:end].copy_(keys)
-        cache.v_stack[first:end].copy_(values)
+        layer_scan.write_rows(cache.k_stack[first:end], index, keys)
+        layer_scan.write_rows(cache.v_stack[first:end], index, values)
         n = end - first
         meter.add(self._pass_bytes[end] - self._pass_bytes[first], 2 * n * cache.layer_kv_bytes,
                   n * h.shape[0] * h.shape[1])

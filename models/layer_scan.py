@@ -74,37 +74,55 @@ def scan(layer_fn, carry, xs):
     return _scan(layer_fn, carry, xs)
 
 
-def split_weights(weights: LayerWeights) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """The tensors of ``weights`` that are given (a scan's inputs are tensors) and their field positions."""
+def split_weights(weights) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The tensors of ``weights`` (a :class:`LayerWeights` or any tuple with None fields) that are given (a scan's
+    inputs are tensors) and their positions."""
     present = tuple(i for i, t in enumerate(weights) if t is not None)
     return tuple(weights[i] for i in present), present
 
 
-def join_weights(given, present: tuple[int, ...]) -> LayerWeights:
-    """:func:`split_weights` undone for one layer's row: ``given`` at their field positions, None elsewhere."""
-    full: list[torch.Tensor | None] = [None] * len(LayerWeights._fields)
+def join_weights(given, present: tuple[int, ...], n_fields: int = len(LayerWeights._fields)) -> list:
+    """:func:`split_weights` undone for one layer's row: ``given`` at their positions among ``n_fields`` (those of
+    :class:`LayerWeights` by default), None elsewhere."""
+    full: list[torch.Tensor | None] = [None] * n_fields
     for i, t in zip(present, given):
         full[i] = t
-    return LayerWeights(*full)
+    return full
 
 
 def plain_layers(h, index, cos, sin, key_valid, keys, values, weights: LayerWeights, eps: float, n_heads: int,
                  n_kv_heads: int):
-    """Layers without a hook, one after another (each :func:`~polestar.models.layer_regions.decoder_layer`), as one
-    scan over ``weights`` (a :class:`LayerWeights` of ``[n, ...]`` stacks, None fields skipped) and the K/V stacks
-    ``keys, values [n, B, Hkv, T + 1, hd]`` → ``(out [B, X, d], keys, values)``, the K/V stacks rewritten as new
-    tensors (the caller writes them back)."""
+    """Layers without a hook, one after another (each what :func:`~polestar.models.layer_regions.decoder_layer`
+    computes), as one scan over ``weights`` (a :class:`LayerWeights` of ``[n, ...]`` stacks, None fields skipped)
+    and the K/V stacks ``keys, values [n, B, Hkv, T + 1, hd]`` → ``(out [B, X, d], new keys, new values)``, the
+    plan rows' K/V of every layer ``[n, B, Hkv, X, hd]`` (the caller writes them at ``index``, :func:`write_rows`:
+    a scan's outputs are the rows a layer wrote, not whole copies of its cache)."""
     given, present = split_weights(weights)
+    hd = cos.shape[-1]
+    slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
 
     def layer(rows, xs):
         layer_keys, layer_values, *row = xs
-        out, layer_keys, layer_values = layer_regions.decoder_layer(
-            rows, index, cos, sin, key_valid, layer_keys, layer_values, *join_weights(row, present), eps, n_heads,
-            n_kv_heads)
-        return out, (layer_keys, layer_values)
+        w = LayerWeights(*join_weights(row, present))
+        qk, proj = layer_regions.qkv_rows(rows, w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, cos, sin, eps,
+                                          n_heads, n_kv_heads)
+        new_keys = qk[:, :, n_heads:].transpose(1, 2).contiguous()
+        new_values = proj[:, :, n_heads + n_kv_heads:].transpose(1, 2).contiguous()
+        out = layer_regions.attend_mlp(
+            qk[:, :, :n_heads].transpose(1, 2), rows, layer_keys.scatter(2, slot, new_keys),
+            layer_values.scatter(2, slot, new_values), key_valid, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias,
+            w.gate_up, w.gate_up_bias, w.down, w.down_bias, eps)
+        return out, (new_keys, new_values)
 
-    out, (keys, values) = scan(layer, h, (keys, values, *given))
-    return out, keys, values
+    out, (new_keys, new_values) = scan(layer, h, (keys, values, *given))
+    return out, new_keys, new_values
+
+
+def write_rows(stack: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write every layer's rows ``rows [n, B, H, X, hd]`` into ``stack [n, B, H, T + 1, hd]`` at the slots
+    ``index [B, X]`` (the same at every layer), in place: one scatter for the run."""
+    n, _, H, _, hd = rows.shape
+    stack.scatter_(3, index[None, :, None, :, None].expand(n, -1, H, -1, hd), rows)
 
 
 def feature_layers(h, rows, index, cos, sin, key_valid, keys, values, attn, mlp, weights: LayerWeights, eps: float,
@@ -128,12 +146,14 @@ def feature_layers(h, rows, index, cos, sin, key_valid, keys, values, attn, mlp,
 
 def plain_layers_eager(h, index, cos, sin, key_valid, keys, values, weights: LayerWeights, eps: float,
                        n_heads: int, n_kv_heads: int):
-    """:func:`plain_layers` as a Python loop over the layers (its reference)."""
+    """:func:`plain_layers` as a Python loop over the layers (its reference; ``keys, values`` left as they are)."""
     new_keys, new_values = [], []
+    hd = cos.shape[-1]
     for layer in range(keys.shape[0]):
         layer_weights = [None if t is None else t[layer] for t in weights]
         h, k, v = layer_regions.decoder_layer(h, index, cos, sin, key_valid, keys[layer], values[layer],
                                               *layer_weights, eps, n_heads, n_kv_heads)
-        new_keys.append(k)
-        new_values.append(v)
+        slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
+        new_keys.append(k.gather(2, slot))
+        new_values.append(v.gather(2, slot))
     return h, torch.stack(new_keys), torch.stack(new_values)

@@ -50,12 +50,6 @@ if TYPE_CHECKING:
     from .refresh_polestar import PolestarRefresh
 
 
-def _split(tensors) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """The given tensors of ``tensors`` (None skipped: a scan's inputs are tensors) and their positions."""
-    present = tuple(i for i, t in enumerate(tensors) if t is not None)
-    return tuple(tensors[i] for i in present), present
-
-
 def _region_of(fn, name: str):
     """A nested compile region running ``fn`` (a bound method, a partial: a region wraps plain functions only) under
     a code object of its own named ``name``: dynamo keeps one reuse entry per code object, so two regions sharing
@@ -326,7 +320,7 @@ class BuildLayer:
         span = slice(first, end)
         anchored = anchors is not None and not store.quant.lossless
         key_cos, key_sin = key_rope if key_rope is not None else (None, None)
-        given, present = _split(query_weights)
+        given, present = layer_scan.split_weights(query_weights)
         kept = (store.anchor_stack[span],) if anchored else ()
         written = (*(t[span] for t in store.stacked), *kept)
         n_written = len(written)
@@ -335,9 +329,7 @@ class BuildLayer:
             keys, window, layer_centroids, *rest = xs
             stored_and_kept, rest = rest[:n_written], rest[n_written:]
             anchor, row = (rest[:1], rest[1:]) if anchored else ((), rest)
-            weights = [None] * 4
-            for i, t in zip(present, row):
-                weights[i] = t
+            weights = layer_scan.join_weights(row, present, len(query_weights))
             stored = stored_and_kept[: len(store.stacked)]
             probs, *new = self._finish_function(anchored, window, layer_centroids, keys, cache.key_valid, key_cos,
                                                 key_sin, *weights, *anchor, *stored_and_kept[len(stored):], *stored)

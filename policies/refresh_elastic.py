@@ -378,15 +378,15 @@ _TRACKED_LAYER, _CHECKED_LAYER = layer_regions.region(_tracked_layer), layer_reg
 
 @attrs.define
 class ElasticState:
-    """Per-generation state of :class:`ElasticCacheRefresh` (preallocated, written in place): ``q``: per layer (a tuple
-    of ``L`` buffers, as the cache's K/V) ``[B, H, T + 1, hd]`` every position's last query (after RoPE); ``track
-    [L, B, track_num]`` each layer's tracked tokens; ``fired [B]`` the layer of the row's first trigger in the
-    current forward (``L``: none); ``deferred [B]`` rows whose forward continues at the next step; ``seen [B, T]``
-    the masked positions at the row's last forward (its commits since are the next query rows); ``member [B, T]``
-    the last ``cached`` step's query rows; ``fired0 [B]`` and ``sim0 [B]``: the next forward's layer-0 trigger and
-    similarity, decided at the end of the previous step (:meth:`ElasticCacheRefresh.look_ahead`); ``fired`` is
-    ``-1`` in a row recomputed from layer 1; ``layer_ids [L]`` long ``0 .. L-1`` (a layer's index as a device
-    scalar, so one compiled trigger test serves every layer)."""
+    """Per-generation state of :class:`ElasticCacheRefresh` (preallocated, written in place): ``q``: per layer (a
+    tuple of ``L`` buffers, the rows of ``q_stack``, as the cache's K/V) ``[B, H, T + 1, hd]`` every position's last
+    query (after RoPE); ``track [L, B, track_num]`` each layer's tracked tokens; ``fired [B]`` the layer of the
+    row's first trigger in the current forward (``L``: none); ``deferred [B]`` rows whose forward continues at the
+    next step; ``seen [B, T]`` the masked positions at the row's last forward (its commits since are the next query
+    rows); ``member [B, T]`` the last ``cached`` step's query rows; ``fired0 [B]`` and ``sim0 [B]``: the next
+    forward's layer-0 trigger and similarity, decided at the end of the previous step
+    (:meth:`ElasticCacheRefresh.look_ahead`); ``fired`` is ``-1`` in a row recomputed from layer 1; ``layer_ids
+    [L]`` long ``0 .. L-1`` (a layer's index as a device scalar, so one compiled trigger test serves every layer)."""
 
     q: tuple[torch.Tensor, ...] | None
     track: torch.Tensor

@@ -276,7 +276,7 @@ class WindowBuffers:
     generation with that window: the stores of the window's layer inputs and queries (:class:`RowStore`
     ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer), the k-means seeds ``keys [L, P, n]`` (one key row per layer
     and window part, shared by the batch; None for a clusterer without keys), and per layer (a tuple of ``L`` tensors
-    each, as the cache's K/V: a layer's writes then compile to the same kernels at every layer) the block start's
+    each, the rows of a stack, as the cache's K/V) the block start's
     clusters: ``centroids [B, K, d]``, ``labels [B, Nw]`` (-1 invalid), ``counts [B, K]``, ``centroid_pos [B, K]`` and
     the last update's proxy distributions ``prev [B, H, K, T+1]``, each tuple the rows of one stack
     ``[L, ...]`` (``stacks``: a scan over layers reads and writes back the stacks). ``parts``: the window parts'

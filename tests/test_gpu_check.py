@@ -190,3 +190,10 @@ def test_eager_rows_are_truly_eager_and_profile_lists_the_costliest_operations(c
     rows = check.profile_policy(model, args, torch.device("cpu"), "fast-dllm")
     assert len(rows) == 10 and rows[0][1] >= rows[-1][1] > 0
     assert "# profile fast-dllm b1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend, passed", [("inductor", True), ("step", "inductor"), ("eager", "eager")])
+def test_compile_backend_names_what_a_compiled_row_passes(backend, passed):
+    # inductor: what compile=True means on the device ("layers" on CUDA); step: the whole-step graphs on any device
+    args = type("Args", (), {"compile_backend": backend})()
+    assert check.compile_arg(args) == passed

@@ -163,16 +163,6 @@ def test_whole_layer_passes_equal_the_pieces_and_write_their_buffers_in_place(fo
     assert [t.data_ptr() for b in buffers for t in b] == addresses  # written where they are
 
 
-@pytest.mark.slow
-def test_a_layer_without_a_hook_adds_a_call_and_its_weights_to_a_step_graph_per_layer():
-    """A whole-step graph grows by one region call per layer and its inputs (the layer's weights and K/V), not by
-    the layer's own operations."""
-    counts = {layers: [len(gm.graph.nodes) for gm in _captured("fast-dllm", layers)] for layers in (2, 4)}
-    per_layer = [(deep - shallow) / 2 for shallow, deep in zip(counts[2], counts[4])]
-    # 8 inputs (six weights, K and V), the subgraph reference, the call, its three outputs and the two write-backs
-    assert per_layer and all(n <= 15 for n in per_layer), per_layer
-
-
 def _regions_compiled_by(backend_graphs: list, layers: int, policy: str) -> torch.Tensor:
     """Decode eagerly with every layer region compiled on its own by a recording backend; the tokens."""
     from polestar.models import layer_regions

@@ -110,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile-layers", type=int, default=None,
                     help="depth of step 4's model (default and at most --layers)")
     ap.add_argument("--compile-backend", default=None,
-                    help="torch.compile backend of step 4 (default inductor; --tiny on a CPU: eager)")
+                    help="torch.compile backend of step 4 (default inductor: what compile=True means on the device; "
+                         "'step': inductor's whole-step graphs, the layers as scans; --tiny on a CPU: eager)")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                     help="dtype the checkpoint loads in (default bfloat16; --tiny on a CPU: float32, as bf16 matmuls "
                          "are emulated there)")
@@ -273,7 +274,10 @@ def time_forward(model, ids: torch.Tensor, reps: int = 3) -> float:
 
 def compile_arg(args) -> bool | str:
     """What a compiled row passes as ``compile``: True for inductor (whole-step or ``"layers"`` by device, see
-    :func:`polestar.step.compile_mode`), else the backend's name."""
+    :func:`polestar.step.compile_mode`), ``"inductor"`` for ``step`` (the whole-step graph on any device: its runs
+    of layers are scans, :mod:`polestar.models.layer_scan`), else the backend's name."""
+    if args.compile_backend == "step":
+        return "inductor"
     return True if args.compile_backend == "inductor" else args.compile_backend
 
 
