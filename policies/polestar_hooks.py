@@ -264,7 +264,7 @@ class PolestarBuildHook(LayerHook):
     def _cluster_kept(self, last: int, meter) -> None:
         """Cluster the kept window inputs of layers ``.. last`` in one clusterer call, then score each layer's
         centroid queries (a pass over the layer's q weight of their own) against its keys (where the regions run,
-        as one scan over the layers when every one of them is scored)."""
+        the layers scored as one scan, a last layer that is not scored stored on its own)."""
         local, ops = self.local, self.ops
         first = last + 1 - self._kept()
         keys = None if self.buffers.keys is None else self.buffers.keys[first : last + 1]
@@ -272,15 +272,20 @@ class PolestarBuildHook(LayerHook):
         hw = self.inputs[0] if len(self.inputs) == 1 else torch.cat(self.inputs)
         centroids, centroid_pos, anchor = self._record(first, hw, keys, store_rows=build is None)
         self.inputs.clear()
-        n_layers = ops.spec.n_layers
-        if (build is not None and all(self.sel.refreshes_layer(layer, n_layers) for layer in range(first, last + 1))
-                and build.finish_run(first, last + 1, hw, anchor, centroids, self.cache,
-                                     ops.stacked_query_weights(first, last + 1), local.key_rope,
-                                     self.buffers.stacks.prev[first : last + 1], meter,
-                                     sum(ops.query_bytes(layer) for layer in range(first, last + 1)))):
-            return
-        for i, layer in enumerate(range(first, last + 1)):
-            refreshes = self.sel.refreshes_layer(layer, ops.spec.n_layers)
+        n_layers, done = ops.spec.n_layers, first
+        scored = first  # the layers scored lie first (every layer but possibly the last)
+        while scored <= last and self.sel.refreshes_layer(scored, n_layers):
+            scored += 1
+        if build is not None and scored > first:
+            span = slice(0, scored - first)
+            if build.finish_run(first, scored, hw[span], None if anchor is None else anchor[span], centroids[span],
+                                self.cache, ops.stacked_query_weights(first, scored), local.key_rope,
+                                self.buffers.stacks.prev[first:scored], meter,
+                                sum(ops.query_bytes(layer) for layer in range(first, scored))):
+                done = scored
+        for layer in range(done, last + 1):
+            i = layer - first
+            refreshes = self.sel.refreshes_layer(layer, n_layers)
             if build is not None and refreshes:  # stored and scored in one region
                 build.finish(layer, hw[i], None if anchor is None else anchor[i], centroids[i], self.cache,
                              ops.query_weights(layer), local.key_rope, self.buffers.prev[layer], meter,
