@@ -176,10 +176,11 @@ class UpdateLayer:
         :class:`~polestar.models.cost.LayerBytes`, each counted as :meth:`__call__` counts its layer. → the plan
         rows' outputs ``[B, C, d]``, the last layer's members' outputs ``[B, M, d]``, its members ``rows, valid
         [B, M]`` and every layer's ``valid`` side by side ``[B, n · M]``; or None where the layers' stores are not
-        stacked or not all anchored alike (then each layer runs as :meth:`__call__`)."""
+        stacked or not all anchored alike, or this torch has no usable scan (then each layer runs as
+        :meth:`__call__`)."""
         store, qstore, stacks = self.store, self.qstore, buffers.stacks
         anchored = store.anchored[first]
-        if (store.stacked is None or qstore.stacked is None or stacks is None
+        if (not layer_scan.available() or store.stacked is None or qstore.stacked is None or stacks is None
                 or any(store.anchored[layer] != anchored for layer in range(first, end))):
             return None
         span = slice(first, end)
@@ -282,9 +283,10 @@ class BuildLayer:
         """Layers ``first .. end - 1`` of the block start's pass as one scan of :meth:`_layer_function` over the
         layer-stacked tensors (:mod:`~polestar.models.layer_scan`; ``weights``: their stacks, ``layer_bytes``: their
         :class:`~polestar.models.cost.LayerBytes`) → the plan rows' outputs ``[B, C, d]`` and every layer's window
-        inputs ``[n, B, Nw, d]``; None where the query store is not stacked (each layer runs as :meth:`layer`)."""
+        inputs ``[n, B, Nw, d]``; None where the query store is not stacked or this torch has no usable scan (each
+        layer runs as :meth:`layer`)."""
         qstore = self.qstore
-        if qstore.stacked is None:
+        if qstore.stacked is None or not layer_scan.available():
             return None
         span = slice(first, end)
         given, present = layer_scan.split_weights(weights)
@@ -313,9 +315,9 @@ class BuildLayer:
         shape, or None), ``centroids [n, B, K, d]``, ``query_weights`` the layers' attention norm (weight, bias)
         and q projection (weight, bias) stacked ``[n, ...]`` (None where absent), ``prev [n, B, H, K, T + 1]`` (the
         layers' rows of the stack, written); ``query_bytes``: the bytes of all of them. → False (nothing done)
-        where the window store is not stacked."""
+        where the window store is not stacked or this torch has no usable scan."""
         store = self.store
-        if store.stacked is None:
+        if store.stacked is None or not layer_scan.available():
             return False
         span = slice(first, end)
         anchored = anchors is not None and not store.quant.lossless

@@ -56,3 +56,18 @@ def test_hooked_layers_run_as_regions_are_replayable_graphs(policy):
     their rewritten buffers copied back: still graphs a CUDA graph can replay (static addresses written, nothing
     read after the next step), through dynamo and AOT autograd's analysis, with the eager tokens and counters."""
     _check_against_eager(_model("llada", 4), policy, 1, None)
+
+
+@pytest.mark.slow
+def test_without_scans_every_layer_runs_as_a_region_and_equals_eager(monkeypatch):
+    """Where a torch has no usable scan (``layer_scan.available()`` False), a whole-step compile runs every hooked
+    layer as a region of its own (the update, block-start and finish regions one layer at a time): the eager
+    tokens and counters still."""
+    from polestar.models import layer_scan
+
+    eager = _decode("dream", 4, False, quant="nvfp4")
+    monkeypatch.setattr(layer_scan, "available", lambda: False)
+    compiled = _decode("dream", 4, "eager", quant="nvfp4")
+    assert compiled.stats.compiled_steps > 0
+    assert torch.equal(eager.tokens, compiled.tokens)
+    assert _counters(eager) == _counters(compiled)
