@@ -170,23 +170,32 @@ class DiffusionLM(nn.Module):
         call it once built; moving or casting the model (``to``, ``to_empty``, ``float``) moves each stack as one
         tensor (:meth:`_apply`), and :meth:`ensure_fused` before a decode notices parameters replaced by hand."""
         parts = [self.layer_parts(layer) for layer in range(self.spec.n_layers)]
-        groups = _stack_groups(parts)
-        self._stacks = LayerWeights(*(_stacked_view(group, len(parts)) for group in groups))
-        self._stacked_ids = [id(p) for group in groups for p in group]
+        self._stacks = LayerWeights(*(_stacked_view(group, len(parts)) for group in _stack_groups(parts)))
         self._point_fused()
 
     def _point_fused(self) -> None:
-        """Each layer's :class:`FusedProjections` as rows of the stacks, and the lists the passes read."""
+        """Each layer's :class:`FusedProjections` as rows of the stacks, the lists the passes read, and which
+        parameter objects the stacks hold (what :meth:`_stacks_intact` compares on the meta device)."""
+        parts = [self.layer_parts(layer) for layer in range(self.spec.n_layers)]
+        self._stacked_ids = [id(p) for group in _stack_groups(parts) for p in group]
         st = self._stacks
         self._fused = [FusedProjections(st.qkv[layer], None if st.qkv_bias is None else st.qkv_bias[layer],
                                         st.gate_up[layer], None if st.gate_up_bias is None else st.gate_up_bias[layer])
                        for layer in range(self.spec.n_layers)]
         self._list_weights()
 
-    def stacked_weights(self) -> LayerWeights:
-        """Every layer's tensors stacked over the layers: each field ``[n_layers, ...]`` (None without biases); row
-        ``l`` of each is what :meth:`layer_weights` gives for layer ``l``, the same storage."""
-        return self._stacks
+    def stacked_weights(self, first: int = 0, end: int | None = None) -> LayerWeights:
+        """Layers ``first .. end - 1``'s tensors (every layer's by default) stacked: each field ``[end - first, ...]``
+        (None without biases); row ``l`` of the whole stacks is what :meth:`layer_weights` gives for layer ``l``,
+        the same storage."""
+        if first == 0 and end is None:
+            return self._stacks
+        return LayerWeights(*(None if t is None else t[first:end] for t in self._stacks))
+
+    def pass_bytes(self, first: int, end: int) -> int:
+        """Weight bytes of one pass over layers ``first .. end - 1`` (q/k/v and out/MLP parts, as each layer's
+        pass counts them; from host-side prefix sums)."""
+        return self._pass_bytes[end] - self._pass_bytes[first]
 
     def _list_weights(self) -> None:
         """The layers' tensors as the layer regions take them, and their byte counts (:class:`LayerBytes`)."""
@@ -272,7 +281,6 @@ class DiffusionLM(nn.Module):
                     param.data = view
                 else:  # meta → a device: a new parameter object, as Module._apply makes
                     module._parameters[name] = nn.Parameter(view, requires_grad=param.requires_grad)
-        self._stacked_ids = [id(p) for group in _stack_groups(parts) for p in group]
         self._point_fused()
         return out
 
@@ -410,9 +418,13 @@ class DiffusionLM(nn.Module):
         """Where a run of plain layers starting at ``layer`` that a whole-step compile runs as one scan
         (:mod:`~polestar.models.layer_scan`) ends: the probed layer or the last, when no hook touches the layers,
         the plan's slots are the same at every layer and no layer input is stored; else ``layer`` (no scan)."""
-        if (hook is not None or per_layer or cache.hidden is not None or cache.k_stack is None
-                or not layer_scan.available() or not layer_regions.in_whole_step()):
+        if hook is not None or per_layer or cache.hidden is not None or not _scans(cache):
             return layer
+        return self._run_end(layer, probe)
+
+    def _run_end(self, layer: int, probe: AttentionProbe | None) -> int:
+        """The layer a run from ``layer`` must end before: a later probed layer (it runs on its own), else the
+        depth."""
         return probe.layer if probe is not None and probe.layer >= layer else self.spec.n_layers
 
     def _hook_run(self, layer: int, h, index, rope: RopeTable, cache: DecodeCache, per_layer: bool,
@@ -421,11 +433,10 @@ class DiffusionLM(nn.Module):
         layers from ``layer`` on (the cache's buffers stacked; the run ends before a probed layer), else None.
         Where the plan is per layer, ``h`` is layer ``layer``'s input (its stored input written and gathered); the
         hook writes and gathers the later layers' itself."""
-        if (hook is None or not hasattr(hook, "whole_run") or cache.k_stack is None
-                or (cache.hidden is not None and cache.hidden_stack is None)
-                or not layer_scan.available() or not layer_regions.in_whole_step()):
+        if (hook is None or not hasattr(hook, "whole_run") or not _scans(cache)
+                or (cache.hidden is not None and cache.hidden_stack is None)):
             return None
-        until = probe.layer if probe is not None and probe.layer >= layer else self.spec.n_layers
+        until = self._run_end(layer, probe)
         return hook.whole_run(layer, h, index, rope, meter, until) if until > layer else None
 
     def _scan_layers(self, first: int, end: int, h, index, rope: RopeTable, cache: DecodeCache,
@@ -433,14 +444,13 @@ class DiffusionLM(nn.Module):
         """Layers ``first .. end - 1`` without a hook as one scan (:func:`~polestar.models.layer_scan.
         plain_layers`), their K/V written back into the cache's stacks, counted as :meth:`_plain_step` counts each."""
         spec = self.spec
-        weights = LayerWeights(*(None if t is None else t[first:end] for t in self._stacks))
         out, keys, values = layer_scan.plain_layers(
             h, index, rope.cos, rope.sin, cache.key_valid, cache.k_stack[first:end], cache.v_stack[first:end],
-            weights, spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+            self.stacked_weights(first, end), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
         layer_scan.write_rows(cache.k_stack[first:end], index, keys)
         layer_scan.write_rows(cache.v_stack[first:end], index, values)
         n = end - first
-        meter.add(self._pass_bytes[end] - self._pass_bytes[first], 2 * n * cache.layer_kv_bytes,
+        meter.add(self.pass_bytes(first, end), 2 * n * cache.layer_kv_bytes,
                   n * h.shape[0] * h.shape[1])
         return out
 
@@ -590,6 +600,12 @@ class DiffusionLM(nn.Module):
         if meter is not None:
             meter.weight(self.head_weight())
         return self.head(h)
+
+
+def _scans(cache: DecodeCache) -> bool:
+    """Whether runs of layers may be scans now: a whole-step compile is tracing, this torch has a usable scan and
+    ``cache``'s K/V are stacked."""
+    return cache.k_stack is not None and layer_scan.available() and layer_regions.in_whole_step()
 
 
 def _scatter_rows(buffer: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:

@@ -86,7 +86,11 @@ class LayerOps:
     def stacked_weights(self, first: int, end: int) -> LayerWeights:
         """Layers ``first .. end - 1``'s tensors stacked (each field ``[end - first, ...]``, None without biases;
         views of :meth:`~polestar.models.backbone.DiffusionLM.stacked_weights`), for a hook that scans them."""
-        return LayerWeights(*(None if t is None else t[first:end] for t in self._model.stacked_weights()))
+        return self._model.stacked_weights(first, end)
+
+    def pass_bytes(self, first: int, end: int) -> int:
+        """Weight bytes of one layer pass over layers ``first .. end - 1`` each (what a scan over them counts)."""
+        return self._model.pass_bytes(first, end)
 
     def stacked_query_weights(self, first: int, end: int) -> tuple:
         """:meth:`query_weights` of layers ``first .. end - 1`` stacked (each ``[end - first, ...]`` or None): views

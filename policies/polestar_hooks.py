@@ -221,7 +221,7 @@ class PolestarBuildHook(LayerHook):
         if build is None or layer != 0 or self.group < L:
             return None
         done = build.layers(0, until, h, index, rope, self.cache, ops.stacked_weights(0, until), self.slots, meter,
-                            [ops.layer_bytes(i) for i in range(until)])
+                            ops.pass_bytes(0, until))
         if done is None:
             return None
         out, windows = done
@@ -351,7 +351,7 @@ class PolestarMembers(MemberStrategy):
             return None
         done = update.run(1, L - 1, h, index, rope, self.cache, ops.stacked_weights(1, L - 1), packet, self.buffers,
                           self.window.valid, self.row_slot, self.proxy_slots, self.due, self.local.key_rope, meter,
-                          [ops.layer_bytes(i) for i in range(1, L - 1)])
+                          ops.pass_bytes(1, L - 1))
         if done is None:
             return None
         out, members_out, rows, valid, chosen = done

@@ -168,15 +168,15 @@ class UpdateLayer:
 
 
     def run(self, first: int, end: int, h, index, rope: RopeTable, cache, weights, packet, buffers, window_valid,
-            row_slot, proxy_slots, due, key_rope, meter: CostMeter, layer_bytes: list):
+            row_slot, proxy_slots, due, key_rope, meter: CostMeter, pass_bytes: int):
         """Layers ``first .. end - 1`` (middle layers) as one scan of :meth:`_layer` over the layer-stacked tensors
         (:mod:`~polestar.models.layer_scan`): the packet and the plan rows carried from layer to layer, each layer's
         buffers rewritten as rows of new stacks and copied back. ``weights``: the layers' stacked tensors
-        (:meth:`~polestar.models.layer_ops.LayerOps.stacked_weights`); ``layer_bytes``: their
-        :class:`~polestar.models.cost.LayerBytes`, each counted as :meth:`__call__` counts its layer. → the plan
-        rows' outputs ``[B, C, d]``, the last layer's members' outputs ``[B, M, d]``, its members ``rows, valid
-        [B, M]`` and every layer's ``valid`` side by side ``[B, n · M]``; or None where the layers' stores are not
-        stacked or not all anchored alike, or this torch has no usable scan (then each layer runs as
+        (:meth:`~polestar.models.layer_ops.LayerOps.stacked_weights`); ``pass_bytes``: their weight bytes, one pass
+        each (:meth:`~polestar.models.layer_ops.LayerOps.pass_bytes`), counted as :meth:`__call__` counts a layer. →
+        the plan rows' outputs ``[B, C, d]``, the last layer's members' outputs ``[B, M, d]``, its members ``rows,
+        valid [B, M]`` and every layer's ``valid`` side by side ``[B, n · M]``; or None where the layers' stores are
+        not stacked or not all anchored alike, or this torch has no usable scan (then each layer runs as
         :meth:`__call__`)."""
         store, qstore, stacks = self.store, self.qstore, buffers.stacks
         anchored = store.anchored[first]
@@ -212,8 +212,7 @@ class UpdateLayer:
             kept.copy_(fresh)
         B, C = index.shape
         n = end - first
-        meter.add(sum(b.qkv_pass + b.out_mlp_pass for b in layer_bytes),
-                  n * cache.layer_kv_bytes * (3 if key_rope is None else 4), n * B * (C + rows.shape[1]),
+        meter.add(pass_bytes, n * cache.layer_kv_bytes * (3 if key_rope is None else 4), n * B * (C + rows.shape[1]),
                   n * B * (packet.rows.shape[1] + stacks.centroids.shape[2]))
         return out, members_out, rows, valid, valids.transpose(0, 1).reshape(B, -1)
 
@@ -279,10 +278,10 @@ class BuildLayer:
         return out, window
 
     def layers(self, first: int, end: int, h, index, rope: RopeTable, cache, weights, slots, meter: CostMeter,
-               layer_bytes: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+               pass_bytes: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layers ``first .. end - 1`` of the block start's pass as one scan of :meth:`_layer_function` over the
-        layer-stacked tensors (:mod:`~polestar.models.layer_scan`; ``weights``: their stacks, ``layer_bytes``: their
-        :class:`~polestar.models.cost.LayerBytes`) → the plan rows' outputs ``[B, C, d]`` and every layer's window
+        layer-stacked tensors (:mod:`~polestar.models.layer_scan`; ``weights``: their stacks, ``pass_bytes``: their
+        weight bytes, one pass each) → the plan rows' outputs ``[B, C, d]`` and every layer's window
         inputs ``[n, B, Nw, d]``; None where the query store is not stacked or this torch has no usable scan (each
         layer runs as :meth:`layer`)."""
         qstore = self.qstore
@@ -305,7 +304,7 @@ class BuildLayer:
         for i in range(first, end):
             qstore.anchored[i] = False
         n = end - first
-        meter.add(sum(b.qkv_pass + b.out_mlp_pass for b in layer_bytes), 2 * n * cache.layer_kv_bytes,
+        meter.add(pass_bytes, 2 * n * cache.layer_kv_bytes,
                   n * h.shape[0] * h.shape[1])
         return out, windows
 

@@ -166,8 +166,8 @@ class _FeatureHook(LayerHook):
                 spec.norm_eps, spec.n_heads, spec.n_kv_heads)
             written = (cache.k_stack[1:], cache.v_stack[1:], attn, mlp), (keys, values, attn_new, mlp_new)
             G = self.state.length - P
-            counted = [self.ops.layer_bytes(i) for i in range(1, L)]
-            meter.add(sum(c.attn_norm + c.v + c.qkv_pass + c.out_mlp_pass for c in counted),
+            values_pass = sum(c.attn_norm + c.v for c in map(self.ops.layer_bytes, range(1, L)))
+            meter.add(values_pass + self.ops.pass_bytes(1, L),
                       2 * n * cache.layer_kv_bytes, n * B * rows.shape[2], n * B * G)
         else:
             rows = self._base_rows()[None].expand(n, -1, -1)
@@ -177,8 +177,7 @@ class _FeatureHook(LayerHook):
                 h, rows[0], index, rope.cos, rope.sin, cache.key_valid, cache.k_stack[1:], cache.v_stack[1:], attn,
                 mlp, self.ops.stacked_weights(1, L), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
             written = (cache.k_stack[1:], cache.v_stack[1:], attn, mlp), (keys, values, attn_new, mlp_new)
-            counted = [self.ops.layer_bytes(i) for i in range(1, L)]
-            meter.add(sum(c.qkv_pass + c.out_mlp_pass for c in counted), 2 * n * cache.layer_kv_bytes,
+            meter.add(self.ops.pass_bytes(1, L), 2 * n * cache.layer_kv_bytes,
                       n * B * rows.shape[2])
         for kept, fresh in zip(*written):
             kept.copy_(fresh)

@@ -525,7 +525,7 @@ class _TrackPass(LayerHook):
         C = plan.at(first)[0].shape[1]
         n = until - first
         key_reads = 3 if checks else 1
-        meter.add(sum(b.qkv_pass + b.out_mlp_pass for b in map(self.ops.layer_bytes, range(first, until))),
+        meter.add(self.ops.pass_bytes(first, until),
                   n * cache.layer_kv_bytes * (key_reads + 2), n * B * C,
                   n * B * self.track_pos.shape[1] if checks else 0)
         return out, until
