@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import re
 import types
 import weakref
 from collections.abc import Callable
@@ -158,6 +157,23 @@ class Totals:
         self.evals.zero_()
 
 
+@attrs.frozen
+class StepInputs:
+    """What a step reads and writes besides the model and the stages, as one explicit structure: the decode
+    ``state``, the preallocated ``cache``, the refresh selector's and the commit rule's per-generation state objects
+    (``refresh_local``, ``commit_local``), the :class:`Totals`, the stop ids ``stops [S]`` and the decoding
+    ``config``. Every tensor in it is a persistent buffer (:func:`persistent_tensors`): the step writes them in
+    place and the next step reads them at the same addresses."""
+
+    state: DecodeState
+    cache: DecodeCache
+    refresh_local: object
+    commit_local: object
+    totals: Totals
+    stops: torch.Tensor
+    config: GenerationConfig
+
+
 @attrs.define
 class Generation:
     """Everything one generation's steps read and write: the model, the assembled pipeline, the decode state, the
@@ -176,6 +192,12 @@ class Generation:
     pool_key: tuple | None = None
     #: the compiled steps of its phases, called by key after each phase's first (:mod:`polestar.phase_table`)
     phases: PhaseTable = attrs.field(factory=PhaseTable)
+
+    @property
+    def inputs(self) -> StepInputs:
+        """The step's explicit inputs (:class:`StepInputs`): this generation's buffers and settings."""
+        return StepInputs(self.state, self.cache, self.refresh_local, self.commit_local, self.totals, self.stops,
+                          self.config)
 
     def draw(self) -> None:
         """Draw this step's random numbers from the generation's generator into the state's random buffers
@@ -219,8 +241,7 @@ def persistent_tensors(gen: Generation) -> list[torch.Tensor]:
             for v in vars(obj).values():
                 walk(v)
 
-    for part in (gen.state, gen.cache, gen.totals, gen.stops, gen.refresh_local, gen.commit_local):
-        walk(part)
+    walk(gen.inputs)
     return out
 
 
@@ -262,29 +283,36 @@ def region_targets(plan: Plan, state: DecodeState) -> torch.Tensor:
 
 
 def decode_step(gen: Generation) -> StepOutput:
-    """One step of the current block (see the module docstring): reads ``gen.state.phase`` (the step variant) and
-    the generation's persistent buffers, and writes the tokens, the cache, the stages' state, the counters and the
-    step clock in place."""
-    state, cache, model, totals = gen.state, gen.cache, gen.model, gen.totals
-    refresh, commit = gen.pipeline.refresh, gen.pipeline.commit
-    spec, config, clock = model.spec, gen.config, state.clock
-    plan = refresh.plan(state, cache, gen.refresh_local)
-    hook = refresh.hook(state, plan, cache, model, gen.refresh_local)
+    """One step of the current block of ``gen``: :func:`run_step` on its model, its pipeline and its
+    :attr:`~Generation.inputs`."""
+    return run_step(gen.model, gen.pipeline, gen.inputs)
+
+
+def run_step(model: DiffusionLM, pipeline: Pipeline, inputs: StepInputs) -> StepOutput:
+    """One step of the current block (see the module docstring), a function of its explicit arguments: reads
+    ``inputs.state.phase`` (the step variant) and the persistent buffers of ``inputs`` (:class:`StepInputs`), and
+    writes the tokens, the cache, the stages' state, the counters and the step clock in place."""
+    state, cache, totals, stops = inputs.state, inputs.cache, inputs.totals, inputs.stops
+    refresh_local, commit_local = inputs.refresh_local, inputs.commit_local
+    refresh, commit = pipeline.refresh, pipeline.commit
+    spec, config, clock = model.spec, inputs.config, state.clock
+    plan = refresh.plan(state, cache, refresh_local)
+    hook = refresh.hook(state, plan, cache, model, refresh_local)
     if hook is not None and state.detail is not None:  # an observer records: the hook gathers its members too
         hook.detail = state.detail
     probe = commit.probe(state, plan) or refresh.probe(state, plan)
     target = region_targets(plan, state)
     with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
         logits, probs, packet_logits, cost = block_forward(model, state.x, cache, plan, target, probe, hook)
-        refresh.observe(state, plan, probs, cache, gen.refresh_local)
-    held = refresh.held(state, gen.refresh_local)
+        refresh.observe(state, plan, probs, cache, refresh_local)
+    held = refresh.held(state, refresh_local)
     if held is not None:  # rows whose forward continues in the next step (decided in this one) commit nothing here
         state.active.logical_and_(~held)
     packet = None
     if packet_logits is not None:
         packet = UpdatePacket(hook.head_positions, hook.head_valid, packet_logits)
     if probs is not None:
-        commit.observe_probe(state, probs, gen.commit_local)
+        commit.observe_probe(state, probs, commit_local)
     stepped = state.active.clone()
     broken = stepped & nonfinite_rows(logits)
     totals.failed_at.copy_(torch.where(broken, clock.global_step, totals.failed_at))
@@ -293,7 +321,7 @@ def decode_step(gen: Generation) -> StepOutput:
     masked = state.block_masked()
     with scope("commit"):
         pred = predict(logits, masked, config.temperature, state.random.gumbel, spec.mask_id)
-        chosen = commit.select(pred, masked, state, gen.commit_local)
+        chosen = commit.select(pred, masked, state, commit_local)
         transfer = chosen.commit & masked
     forced = forced_commits(transfer, masked, pred.confidence)
     rule_transfer, transfer = transfer, transfer | forced
@@ -302,8 +330,8 @@ def decode_step(gen: Generation) -> StepOutput:
     seen_cols = cols.clone() if state.detail is not None else None  # the region moves in place below
     block_x = state.x.gather(1, cols)
     state.x.scatter_(1, cols, torch.where(transfer, pred.tokens, block_x))
-    state.schedule.advance(state, transfer, pred.tokens, gen.stops if config.stop_at_eos else None)
-    extra = commit.suffix(state, gen.commit_local, packet)
+    state.schedule.advance(state, transfer, pred.tokens, stops if config.stop_at_eos else None)
+    extra = commit.suffix(state, commit_local, packet)
     if extra is not None:
         keep = state.x.gather(1, extra.positions)
         state.x.scatter_(1, extra.positions, torch.where(extra.commit, extra.tokens, keep))
@@ -313,16 +341,16 @@ def decode_step(gen: Generation) -> StepOutput:
     totals.nfe.add_(stepped.long())
     P = state.prompt_len
     if config.stop_at_eos:
-        done, fill = eos_finished(state.x[:, P:], spec.mask_id, gen.stops)
+        done, fill = eos_finished(state.x[:, P:], spec.mask_id, stops)
         gen_x = state.x[:, P:]
         gen_x.copy_(gen_x.masked_fill(fill, spec.eos_id))
         totals.finished.logical_or_(done)
     state.active.copy_(~totals.finished & state.block_masked_any())
     work = state.schedule.work(state, totals.finished)
-    ahead = refresh.look_ahead(state, cache, model, gen.refresh_local)
+    ahead = refresh.look_ahead(state, cache, model, refresh_local)
     if ahead is not None:  # the selector's work for the next step's decisions, after the commits
         cost = StepCost(*(a + b for a, b in zip(cost, ahead)))
-    flags = refresh.next_step_flags(state, gen.refresh_local)
+    flags = refresh.next_step_flags(state, refresh_local)
     if flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
         work = torch.cat([work, flags])
     clock.step.add_(1)
@@ -361,23 +389,24 @@ _STEP_COUNT = itertools.count()
 
 
 def compiled_step(model: DiffusionLM, pipeline: Pipeline, backend: str | Callable, cuda_graphs: bool) -> Callable:
-    """The compiled :func:`decode_step` bound to ``model`` and to ``pipeline``'s stage composition (names and
-    options), made once per process and shared by every generation with them.
+    """The compiled :func:`run_step` for ``model`` and ``pipeline``'s stage composition (names and options), made
+    once per process and shared by every generation with them; called as ``fn(model, pipeline, gen.inputs)``.
 
-    Bound once: the model's weights and the stages are the same objects (or, for the stages, equal ones) at every
-    call, so the compiled step keeps no guard on them (:func:`step_guards`), only on the generation's buffers, the
-    decoding settings and the step phase; dynamo's per-call guard check walks those alone. Each binding compiles its
-    own copy of the function's code: dynamo keeps its graphs and recompile count per code object, so the graphs of one
-    policy never sit in the guard chain of another, and a session that runs every policy never reaches the recompile
-    limit. ``cuda_graphs``: inductor records each graph as a CUDA graph and replays it (``triton.cudagraphs``, what
+    Bound once: the model is the same object at every call, so the compiled step keeps no guard on it (nor on
+    module globals, the library's functions and torch's, which no caller rebinds while decoding: :func:`step_guards`).
+    Its guards are on what varies, the :class:`StepInputs` (buffers' shapes and the decoding settings) and the
+    stages' options, which are equal for every pipeline of one composition. Each binding compiles its own copy of the
+    function's code: dynamo keeps its graphs and recompile count per code object, so the graphs of one model or policy
+    never sit in the guard chain of another, and a session that runs every policy never reaches the recompile limit.
+    ``cuda_graphs``: inductor records each graph as a CUDA graph and replays it (``triton.cudagraphs``, what
     ``mode="reduce-overhead"`` sets)."""
     per_model = _COMPILED_STEPS.setdefault(model, {})
     key = (repr(sorted(pipeline.describe().items())), backend, cuda_graphs)
     fn = per_model.get(key)
     if fn is None:
-        code = decode_step.__code__.replace(co_name=f"decode_step_{next(_STEP_COUNT)}")
-        step = types.FunctionType(code, decode_step.__globals__, code.co_name, decode_step.__defaults__,
-                                  decode_step.__closure__)
+        code = run_step.__code__.replace(co_name=f"run_step_{next(_STEP_COUNT)}")
+        step = types.FunctionType(code, run_step.__globals__, code.co_name, run_step.__defaults__,
+                                  run_step.__closure__)
         fn = per_model[key] = torch.compile(step, fullgraph=True, backend=_recording_backend(backend, cuda_graphs),
                                             options={"guard_filter_fn": step_guards})
     return fn
@@ -402,17 +431,11 @@ def _recording_backend(backend: str | Callable, cuda_graphs: bool) -> RecordingB
 #: docs' performance page)
 _INDUCTOR_OPTIONS = {"size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
 
-#: guard sources a bound step drops (see :func:`compiled_step`): its model and its stages, whether reached from the
-#: generation (``gen.model``, ``gen.pipeline``) or from a per-generation structure that holds a stage (a row
-#: store's quantizer and offloader), and the generation's side stream (fixed by its device)
-_BOUND_SOURCE = re.compile(r"^(L\['gen'\]|gen)\.(model|pipeline)\b|\.(quant|offload|side)\b")
-
-
 def step_guards(entries) -> list[bool]:
-    """dynamo's ``guard_filter_fn`` of a bound step: keep the guards on the generation's buffers, its settings and
-    the step phase; drop those on the model and the stages the step is bound to (:data:`_BOUND_SOURCE`), and on
-    module globals (the library's functions and torch's, which no caller rebinds while decoding)."""
-    return [not (e.is_global or _BOUND_SOURCE.search(e.name)) for e in entries]
+    """dynamo's ``guard_filter_fn`` of a bound step (:func:`compiled_step`), by the kind of each guard's source:
+    drop the guards on the model (an nn.Module source: the binding fixes the model) and on module globals; keep the
+    rest (the step's inputs, the stages' options)."""
+    return [not (e.is_global or e.orig_guard.source.is_unspecialized_nn_module()) for e in entries]
 
 
 class StepRunner:
@@ -531,9 +554,9 @@ class StepRunner:
             return self._compile_off()
         try:
             if self._active:  # inside a generation's `running()`: the settings are in place
-                return fn(gen)
+                return fn(gen.model, gen.pipeline, gen.inputs)
             with self.running():
-                return fn(gen)
+                return fn(gen.model, gen.pipeline, gen.inputs)
         except _TRACE_REFUSALS as err:
             reason = compile_off.refused(gen.pipeline, err)
             if reason is None:

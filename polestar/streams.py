@@ -26,7 +26,7 @@ class SideStream:
     def run(self, *inputs: torch.Tensor):
         """Issue the enclosed work on the side stream (a no-op on CPU and inside a compiled step, where the
         graph itself orders the work)."""
-        if self.stream is None or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        if torch.compiler.is_compiling() or self.stream is None or torch.cuda.is_current_stream_capturing():
             return contextlib.nullcontext()  # a captured graph orders the work on the capturing stream
         return self._run(*inputs)
 
@@ -41,7 +41,7 @@ class SideStream:
         self._pending = True
 
     def join(self, *outputs: torch.Tensor) -> None:
-        if self.stream is None or torch.compiler.is_compiling() or not self._pending:
+        if torch.compiler.is_compiling() or self.stream is None or not self._pending:
             return
         main = torch.cuda.current_stream(self.device)
         main.wait_stream(self.stream)
