@@ -18,7 +18,7 @@ from polestar.kernels.proxy_attention import proxy_attention
 
 from . import layer_regions, layer_scan
 from .cost import CostMeter, LayerBytes
-from .hooks import LayerHook
+from .hooks import CachedFeatures, LayerHook, LayerQKV
 from .layer_regions import LayerWeights
 from .layers import RopeTable, Rotary
 from .plan import DecodeCache, Plan, full_plan
@@ -50,65 +50,6 @@ class FusedProjections(NamedTuple):
     qkv_bias: torch.Tensor | None
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
-
-
-class ExtraRows(NamedTuple):
-    """Rows a layer hook adds to one layer's input projections (q, k, v), after the plan's rows.
-
-    ``inputs``: ``[B, R, d_model]`` layer inputs; ``positions``: ``[B, R]`` RoPE positions; ``kv_index``: ``[B, R]``
-    cache slots their K/V are written to (the trash slot for rows that only need a query: proxy queries, probes).
-    They go through the q, k and v projections in the same matmuls as the plan's rows.
-    """
-
-    inputs: torch.Tensor
-    positions: torch.Tensor
-    kv_index: torch.Tensor
-
-
-class LayerQKV(NamedTuple):
-    """What a layer hook sees after the layer's one q/k/v pass and its K/V writes (before any query attends).
-
-    ``h``: ``[B, C, d]`` the plan rows' inputs; ``index``: ``[B, C]`` their cache slots; ``q``: ``[B, H, C + R, hd]``
-    queries after RoPE of the plan rows then the hook's extra rows; ``v``: ``[B, Hkv, C + R, hd]`` their values;
-    ``meter``: the pass's :class:`~polestar.models.cost.CostMeter` (for proxy attention reads).
-    """
-
-    h: torch.Tensor
-    index: torch.Tensor
-    q: torch.Tensor
-    v: torch.Tensor
-    meter: CostMeter
-
-    @property
-    def n_plan(self) -> int:
-        return self.h.shape[1]
-
-
-class MemberRows(NamedTuple):
-    """Rows a layer hook adds to the layer's attention, output projection and MLP, after the plan's rows.
-
-    ``q``: ``[B, H, M, hd]`` their queries (after RoPE); ``inputs``: ``[B, M, d_model]`` their layer inputs (the
-    residual stream). The layer's outputs for them (``[B, M, d_model]``) go to the hook's ``after_layer``.
-    """
-
-    q: torch.Tensor
-    inputs: torch.Tensor
-
-
-class CachedFeatures(NamedTuple):
-    """Feature caching at one layer: only some plan rows go through the layer; the others reuse its cached outputs.
-
-    Source: dLLM-Cache (Liu et al. 2025, "dLLM-Cache: Accelerating Diffusion Large Language Models with Adaptive
-    Caching"), which keeps each layer's attention and MLP outputs per position and recomputes only some rows.
-    ``rows``: ``[B, R]`` long, the plan rows (indices ``0 .. C-1`` into the plan's slots) that go through the layer's
-    q/k/v (their K/V written at their slots), attention, o and MLP; ``attn``, ``mlp``: ``[B, C, d_model]`` the layer's
-    cached attention output (after o) and MLP output of every plan row, rewritten in place at ``rows``. Every plan
-    row's output is ``(h + attn) + mlp``; the MLP of a recomputed row reads ``h + attn`` after that write.
-    """
-
-    rows: torch.Tensor
-    attn: torch.Tensor
-    mlp: torch.Tensor
 
 
 class AttentionProbe(NamedTuple):

@@ -86,7 +86,7 @@ def attend_mlp(q, resid, keys, values, key_valid, o, o_bias, norm, norm_bias, ga
 
 def cached_rows(h, rows, q, keys, values, key_valid, attn, mlp, o, o_bias, norm, norm_bias, gate_up, gate_up_bias,
                 down, down_bias, eps: float):
-    """A layer pass with feature caching (:class:`~polestar.models.backbone.CachedFeatures`): the rows ``rows [B, R]``
+    """A layer pass with feature caching (:class:`~polestar.models.hooks.CachedFeatures`): the rows ``rows [B, R]``
     of the plan rows ``h [B, C, d]``, whose queries are ``q [B, H, R, hd]``, attend over the layer's cache; their o
     output replaces theirs in the cached attention outputs ``attn [B, C, d]``, the MLP branch of their
     ``h + attn`` replaces theirs in the cached MLP outputs ``mlp [B, C, d]``. → the new ``attn``, the new ``mlp``

@@ -293,7 +293,7 @@ def cmd_policies(args) -> int:
 
     info = {
         "policies": {
-            name: {"stages": policy.get_policy(name).stages, "description": policy.get_policy(name).description}
+            name: {"stages": policy.composition(name), "description": policy.get_policy(name).description}
             for name in policy.policy_names()
         },
         "stages": {

@@ -11,7 +11,7 @@ import attrs
 from . import contracts, registry
 from .overrides import Overrides
 from .registry import UnknownNameError
-from .stage_kinds import engine_driven
+from .stage_kinds import KINDS, engine_driven
 
 
 @attrs.frozen
@@ -56,6 +56,14 @@ def get_policy(name: str) -> PolicySpec:
     if name not in _POLICIES:
         raise UnknownNameError(f"unknown policy {name!r}; registered policies: {', '.join(names)}")
     return _POLICIES[name]
+
+
+def composition(name: str) -> dict[str, str]:
+    """Every stage of policy ``name`` by kind, as :func:`assemble` builds it without overrides: the policy's own
+    stages and the defaults of the kinds they require (:attr:`~polestar.stage_kinds.StageKind.default`)."""
+    chosen = dict(get_policy(name).stages)
+    _add_required(chosen)
+    return chosen
 
 
 @attrs.frozen
@@ -123,14 +131,22 @@ def assemble(policy: str, overrides: Overrides | Mapping[str, Any] | None = None
 
 
 def _add_required(chosen: dict[str, str]) -> None:
-    """Add, in place, the default stage of every kind a chosen stage requires and the policy lacks."""
+    """Add, in place, the default stage (:attr:`~polestar.stage_kinds.StageKind.default`) of every kind a chosen
+    stage requires and the policy lacks; a required kind without a default that the policy lacks is a ValueError."""
     pending = list(chosen.items())
     while pending:
         kind, name = pending.pop()
-        for need, default in registry.lookup(kind, name).requires.items():
-            if need not in chosen:
-                chosen[need] = default
-                pending.append((need, default))
+        for need in registry.lookup(kind, name).requires:
+            if need in chosen:
+                continue
+            record = KINDS.get(need)
+            if record is None or record.default is None:
+                why = "is not a declared stage kind" if record is None else "declares no default stage"
+                raise ValueError(f"{kind} stage {name!r} requires a {need!r} stage and {need!r} {why}: name one in "
+                                 f"the policy or the overrides ({need}=NAME), or declare the kind with "
+                                 f"StageKind(..., default=NAME)")
+            chosen[need] = record.default
+            pending.append((need, record.default))
 
 
 def _check_consumed(policy: str, kind: str, chosen: dict[str, str]) -> None:

@@ -43,6 +43,8 @@ class StageKind:
     n)`` yields ``n`` argument tuples) and ``laws(stage, *example)``: the kind's invariants on one example (the
     stage is a fresh instance with its contract checked), asserting with a message that names the stage; a kind
     without them (refresh, commit: their input is a decoding state) is checked inside a decode instead.
+    ``default``: the registered name of the stage :func:`polestar.assemble` adds when a chosen stage requires this
+    kind (``Stage.requires``) and the policy names none; stated here once for every stage that requires the kind.
     """
 
     name: str = attrs.field(validator=[attrs.validators.instance_of(str),
@@ -55,6 +57,8 @@ class StageKind:
         attrs.validators.is_callable()))
     laws: Callable[..., None] | None = attrs.field(default=None, validator=attrs.validators.optional(
         attrs.validators.is_callable()))
+    default: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(str)))
 
     def __attrs_post_init__(self) -> None:
         if (self.examples is None) != (self.laws is None):

@@ -45,14 +45,14 @@ from .state import CommitSelection, DecodeState, Prediction, StepPosition, Suffi
 class Stage:
     """A pipeline stage: a frozen attrs ``Config`` and pure methods (see the module docstring for the lifecycle).
 
-    ``requires``: stage kinds this stage composes, each with the registered name :func:`polestar.assemble` adds
-    when a policy has no stage of that kind.
+    ``requires``: the stage kinds this stage composes (it reads them in :meth:`bind`); where a policy names no stage
+    of one, :func:`polestar.assemble` adds that kind's default (:attr:`polestar.stage_kinds.StageKind.default`).
     """
 
     kind: str
     name: str
     Config: type
-    requires: dict[str, str] = {}
+    requires: tuple[str, ...] = ()
 
     def __init__(self, config):
         self.config = config
@@ -85,7 +85,8 @@ class Stage:
 
 class LayerHook(LayerHookProtocol):
     """The layer-hook contract of :class:`polestar.models.hooks.LayerHook` with do-nothing defaults: a refresh
-    selector's :meth:`RefreshSelector.hook` returns a subclass for one step's forward (sparse updates).
+    selector's :meth:`RefreshSelector.hook` returns a subclass for one step's forward (sparse updates, a
+    recomputation decided layer by layer).
 
     ``detail``: the step's :class:`~polestar.state.StepDetail` while an observer records (set by the step), else
     None.
@@ -93,11 +94,33 @@ class LayerHook(LayerHookProtocol):
 
     detail = None
 
+    def held(self) -> torch.Tensor | None:
+        """``[B]`` bool, read by the step after the forward: rows whose forward is not complete at this step (it
+        continues in the next one, e.g. a recomputation decided during this forward): they commit nothing and their
+        forward is not counted here. Default: None (every forward completes in its step)."""
+        return None
+
+
+class AfterStep(NamedTuple):
+    """What a refresh selector hands the loop at the end of a step (:meth:`RefreshSelector.after_step`):
+    ``flags [F]`` bool, decisions for the next step that ride along the loop's one host read and come back in the
+    next step's :class:`~polestar.state.StepPosition` (``flags``, Python bools) to :meth:`~Stage.phase`; ``cost``:
+    the :class:`~polestar.models.cost.StepCost` of model work it did for them (added to the step's). Either None."""
+
+    flags: torch.Tensor | None = None
+    cost: StepCost | None = None
+
+
+#: :meth:`RefreshSelector.after_step` of a selector with nothing to decide ahead
+NOTHING_AHEAD = AfterStep()
+
 
 class RefreshSelector(Stage):
     """Decides which positions each layer recomputes (the :class:`~polestar.models.plan.Plan`) at each step.
 
-    ``needs_hidden``: the cache must store every layer's input hidden states.
+    The engine calls, per step: :meth:`plan` (required), :meth:`hook` and :meth:`after_step`; per block:
+    :meth:`allocate`; once: :meth:`region`. Anything else a selector needs lives in its own state object and its
+    hook. ``needs_hidden``: the cache must store every layer's input hidden states.
     """
 
     needs_hidden: bool = False
@@ -108,18 +131,6 @@ class RefreshSelector(Stage):
         (:class:`~polestar.region.WindowRegion`), whose columns move every step and differ per row."""
         return BlockRegion()
 
-    def look_ahead(self, state: DecodeState, cache: DecodeCache, model, local: Any) -> StepCost | None:
-        """After the step's commits, in the step: work for the next step's decisions that needs the model (whose
-        results reach :meth:`next_step_flags` through ``local``); returns what it computed as a
-        :class:`~polestar.models.cost.StepCost` (added to the step's), or None. Default: nothing."""
-        return None
-
-    def held(self, state: DecodeState, local: Any) -> torch.Tensor | None:
-        """``[B]`` bool, after the forward: rows whose forward is not complete at this step (it continues in the
-        next one, e.g. a recomputation the selector decided during this forward): they commit nothing and their
-        forward is not counted here. Default: None (every forward completes in its step)."""
-        return None
-
     def plan(self, state: DecodeState, cache: DecodeCache, local: Any) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -129,24 +140,17 @@ class RefreshSelector(Stage):
         numbers from ``state.generator`` into them. Default: nothing."""
 
     def hook(self, state: DecodeState, plan: Plan, cache: DecodeCache, model, local: Any) -> LayerHook | None:
-        """A :class:`LayerHook` for this step's forward (sparse updates), or None. The hook gets what it runs on the
-        model as a :class:`~polestar.models.layer_ops.LayerOps` view of ``model``, not the model."""
+        """A :class:`LayerHook` for this step's forward (sparse updates; rows :meth:`LayerHook.held` over to the next
+        step), or None. The hook gets what it runs on the model as a :class:`~polestar.models.layer_ops.LayerOps`
+        view of ``model``, not the model."""
         return None
 
-    def probe(self, state: DecodeState, plan: Plan) -> AttentionProbe | None:
-        """Attention rows this selector wants from the forward (default: none)."""
-        return None
-
-    def next_step_flags(self, state: DecodeState, local: Any) -> torch.Tensor | None:
-        """Decisions for the next step, computed on the device at the end of this one: ``[F]`` bool or None. The
-        loop reads them with its termination check (no extra host read) and hands them back in the next step's
-        :class:`~polestar.state.StepPosition` (``flags``, Python bools) to :meth:`~Stage.phase`, so a selector can
-        skip work no row needs (Polestar: no row is due for a sparse update) by choosing the step's variant."""
-        return None
-
-    def observe(self, state: DecodeState, plan: Plan, probe: torch.Tensor | None, cache: DecodeCache,
-                local: Any) -> None:
-        """Bookkeeping after the forward (drift histories, clusters); default: nothing."""
+    def after_step(self, state: DecodeState, cache: DecodeCache, model, local: Any) -> AfterStep:
+        """After the step's commits, in the step: decisions for the next step, computed on the device
+        (:class:`AfterStep`: flags for the loop's one host read, so a selector can choose the next step's variant
+        and skip work no row needs -- Polestar: no row is due for a sparse update), and the cost of any model work
+        they took. Default: :data:`NOTHING_AHEAD`."""
+        return NOTHING_AHEAD
 
 
 class CommitFloor(NamedTuple):

@@ -250,7 +250,7 @@ class StepView(NamedTuple):
     step): ``plan``; ``stepped [B]`` rows that decoded; ``masked [B, bl]`` the block's masked positions before the
     commit; ``confidence [B, bl]`` float64; ``origins``: :class:`CommitOrigins`; ``region [B, bl]`` the columns of
     those entries (the block's, or a sliding window's); ``held [B]`` rows whose forward continues at the next step
-    (:meth:`~polestar.stages.RefreshSelector.held`: computed, not committed)."""
+    (:meth:`~polestar.stages.LayerHook.held`: computed, not committed)."""
 
     plan: Plan
     stepped: torch.Tensor
@@ -264,7 +264,7 @@ class StepView(NamedTuple):
 class StepOutput(NamedTuple):
     """What one step hands back to the loop: ``work [num_blocks + F]`` bool, per block whether an unfinished row
     still has masked positions there, then the refresh selector's ``F`` flags for the next step
-    (:meth:`~polestar.stages.RefreshSelector.next_step_flags`; the loop's one host read); ``cost``: the forward's
+    (:meth:`~polestar.stages.RefreshSelector.after_step`; the loop's one host read); ``cost``: the forward's
     :class:`StepCost` (plain ints, fixed by the step's shapes); ``view``: a :class:`StepView` while an observer
     records, else None."""
 
@@ -300,12 +300,11 @@ def run_step(model: DiffusionLM, pipeline: Pipeline, inputs: StepInputs) -> Step
     hook = refresh.hook(state, plan, cache, model, refresh_local)
     if hook is not None and state.detail is not None:  # an observer records: the hook gathers its members too
         hook.detail = state.detail
-    probe = commit.probe(state, plan) or refresh.probe(state, plan)
+    probe = commit.probe(state, plan)
     target = region_targets(plan, state)
     with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
         logits, probs, packet_logits, cost = block_forward(model, state.x, cache, plan, target, probe, hook)
-        refresh.observe(state, plan, probs, cache, refresh_local)
-    held = refresh.held(state, refresh_local)
+    held = hook.held() if hook is not None else None
     if held is not None:  # rows whose forward continues in the next step (decided in this one) commit nothing here
         state.active.logical_and_(~held)
     packet = None
@@ -347,12 +346,11 @@ def run_step(model: DiffusionLM, pipeline: Pipeline, inputs: StepInputs) -> Step
         totals.finished.logical_or_(done)
     state.active.copy_(~totals.finished & state.block_masked_any())
     work = state.schedule.work(state, totals.finished)
-    ahead = refresh.look_ahead(state, cache, model, refresh_local)
-    if ahead is not None:  # the selector's work for the next step's decisions, after the commits
-        cost = StepCost(*(a + b for a, b in zip(cost, ahead)))
-    flags = refresh.next_step_flags(state, refresh_local)
-    if flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
-        work = torch.cat([work, flags])
+    after = refresh.after_step(state, cache, model, refresh_local)
+    if after.cost is not None:  # the selector's work for the next step's decisions, after the commits
+        cost = StepCost(*(a + b for a, b in zip(cost, after.cost)))
+    if after.flags is not None:  # the refresh selector's decisions for the next step ride along the loop's one read
+        work = torch.cat([work, after.flags])
     clock.step.add_(1)
     clock.global_step.add_(1)
     view = None

@@ -41,7 +41,7 @@ from polestar import contracts, registry
 from polestar.api import generate
 from polestar.models.loading import build_model
 from polestar.plugins import load_plugins
-from polestar.policy import get_policy, policy_names
+from polestar.policy import composition, policy_names
 from polestar.stage_kinds import KINDS
 
 #: the small random model's spec (token ids 38 / 39 are EOS / mask): fast enough for many decodes per test
@@ -74,9 +74,9 @@ def _shared_model(family: str):
 def host_policy(kind: str) -> str:
     """The policy a stage of ``kind`` is swapped into: ``fast-dllm`` when it has that kind, else the first
     registered policy that has one (a drift stage goes where a stage reads drift)."""
-    if kind in get_policy("fast-dllm").stages:
+    if kind in composition("fast-dllm"):
         return "fast-dllm"
-    return next(p for p in policy_names() if kind in get_policy(p).stages)
+    return next(p for p in policy_names() if kind in composition(p))
 
 
 # ----------------------------------------------------------------------------------------------- stage level

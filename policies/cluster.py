@@ -80,7 +80,7 @@ def cluster_laws(stage: Clusterer, x: torch.Tensor, k: int, valid: torch.Tensor,
 
 CLUSTER = register_kind(StageKind(
     "cluster", Clusterer, "groups the window's hidden states so one proxy query stands for many tokens",
-    contract={"cluster": check_cluster}, examples=cluster_examples, laws=cluster_laws))
+    contract={"cluster": check_cluster}, examples=cluster_examples, laws=cluster_laws, default="kmeans"))
 
 
 @register("cluster", "kmeans")

@@ -43,7 +43,7 @@ class PolestarCommit(CommitRule):
         suffix_commit: bool = attrs.field(default=True, validator=v.instance_of(bool))
 
     wants_packet = True
-    requires = {"drift": "kl"}
+    requires = ("drift",)
 
     def bind(self, stages: dict) -> None:
         self.drift = stages["drift"]  # the policy's drift metric scores the block's attention change

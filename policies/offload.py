@@ -103,7 +103,7 @@ def offload_laws(stage: Offloader, leaves, rows: torch.Tensor, values) -> None:
 
 OFFLOAD = register_kind(StageKind(
     "offload", Offloader, "where stored window rows live and how they are fetched back",
-    contract={"read_rows": check_rows}, examples=offload_examples, laws=offload_laws))
+    contract={"read_rows": check_rows}, examples=offload_examples, laws=offload_laws, default="none"))
 
 
 @register("offload", "none")

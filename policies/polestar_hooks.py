@@ -29,7 +29,7 @@ import torch
 
 from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
 from polestar.models import layer_regions
-from polestar.models.backbone import ExtraRows, LayerQKV
+from polestar.models.hooks import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layers import RopeTable
 from polestar.models.plan import DecodeCache
@@ -38,8 +38,8 @@ from polestar.stages import LayerHook
 
 from .sparse_update import MemberStrategy, Packet, Selection
 
-if TYPE_CHECKING:  # the selector that makes these hooks, and its buffers (it imports this module)
-    from .refresh_polestar import PolestarRefresh, PolestarRefreshState, WindowBuffers
+if TYPE_CHECKING:
+    from .polestar_state import PolestarRefreshState, PolestarSelection, WindowBuffers
 
 # what ``polestar bench --profile`` reports of these hooks, as parts of the forward pass
 declare_scopes("proxy_attention", "drift", "cluster", "store")
@@ -114,7 +114,7 @@ class PolestarBuildHook(LayerHook):
     (:meth:`PolestarRefresh.allocate`), so the whole block start runs inside the compiled step.
     """
 
-    def __init__(self, sel: PolestarRefresh, state, plan_start, cache, ops: LayerOps, local: PolestarRefreshState):
+    def __init__(self, sel: PolestarSelection, state, plan_start, cache, ops: LayerOps, local: PolestarRefreshState):
         self.sel, self.state, self.cache, self.ops, self.local = sel, state, cache, ops, local
         self.buffers: WindowBuffers = local.current
         self.window = window = sel.window(state, cache)
@@ -308,7 +308,7 @@ class PolestarMembers(MemberStrategy):
 
     wants_old = True
 
-    def __init__(self, sel: PolestarRefresh, state, cache, ops: LayerOps, local: PolestarRefreshState):
+    def __init__(self, sel: PolestarSelection, state, cache, ops: LayerOps, local: PolestarRefreshState):
         self.sel, self.cache, self.ops, self.local, self.due = sel, cache, ops, local, local.due
         self.buffers = buf = local.current
         self.window = window = sel.window(state, cache)

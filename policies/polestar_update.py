@@ -47,8 +47,6 @@ from .row_store import RowStore
 if TYPE_CHECKING:
     from polestar.models.cost import CostMeter
 
-    from .refresh_polestar import PolestarRefresh
-
 
 def _region_of(fn, name: str):
     """A nested compile region running ``fn`` (a bound method, a partial: a region wraps plain functions only) under
@@ -67,14 +65,15 @@ class UpdateLayer:
     and copies what it rewrote back into the layer's buffers; it returns the plan rows' outputs ``[B, C, d]``, the
     members' outputs ``[B, M, d]`` and the members ``rows, valid [B, M]``.
 
-    ``usable(sel, store, qstore)``: whether the region route applies (the package's own drift stage, stores whose
-    rows stay on the device); otherwise the hook path runs every layer.
+    Made for the selector's ``drift`` stage and ``topk`` option, a middle layer's member ``capacity`` and the window's
+    stores (``window`` columns). ``usable(drift, store, qstore)``: whether the region route applies (the package's
+    own drift stage, stores whose rows stay on the device); otherwise the hook path runs every layer.
     """
 
-    def __init__(self, sel: PolestarRefresh, store: RowStore, qstore: RowStore, spec: ModelSpec, window: int):
-        self.drift, self.store, self.qstore, self.spec = sel.drift, store, qstore, spec
-        self.topk = sel.config.topk
-        self.capacity = sel.capacities(window, spec.n_layers)[min(1, spec.n_layers - 1)]  # a middle layer's
+    def __init__(self, drift, topk: int, capacity: int, store: RowStore, qstore: RowStore, spec: ModelSpec,
+                 window: int):
+        self.drift, self.store, self.qstore, self.spec = drift, store, qstore, spec
+        self.topk, self.capacity = topk, capacity
         self.trash = window
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.n_store_leaves = len(store.stored[0])
@@ -84,8 +83,8 @@ class UpdateLayer:
                          for anchored in (False, True)}
 
     @staticmethod
-    def usable(sel: PolestarRefresh, store: RowStore, qstore: RowStore) -> bool:
-        return (type(sel.drift).__module__.startswith("polestar.") and store.regional and qstore.regional)
+    def usable(drift, store: RowStore, qstore: RowStore) -> bool:
+        return type(drift).__module__.startswith("polestar.") and store.regional and qstore.regional
 
     def _layer(self, anchored: bool, h, index, cos, sin, pos_cos, pos_sin, positions, key_valid, keys, values,
                attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias,

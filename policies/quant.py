@@ -93,7 +93,7 @@ def quant_laws(stage: Quantizer, x: torch.Tensor) -> None:
 
 QUANT = register_kind(StageKind(
     "quant", Quantizer, "how stored window hidden states are kept (row-wise encode / decode)",
-    contract={"decode": check_quant_decode}, examples=quant_examples, laws=quant_laws))
+    contract={"decode": check_quant_decode}, examples=quant_examples, laws=quant_laws, default="none"))
 
 
 @register("quant", "none")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from attrs import validators as v
 
 from polestar.models import layer_regions, layer_scan
-from polestar.models.backbone import CachedFeatures
+from polestar.models.hooks import CachedFeatures
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layer_regions import StageRegion
 from polestar.models.plan import DecodeCache, Plan
@@ -59,7 +59,7 @@ class DLLMCacheRefresh(RefreshSelector):
     """dLLM-Cache (Liu et al. 2025, see the module docstring): feature caching per layer, prompt refresh every
     ``prompt_interval`` forwards, response refresh every ``response_interval``, and in between the ``ratio`` of the
     response rows whose freshly projected values moved most. The plan is every position (the residual stream);
-    each layer's recomputed rows are given to the backbone as :class:`~polestar.models.backbone.CachedFeatures`.
+    each layer's recomputed rows are given to the backbone as :class:`~polestar.models.hooks.CachedFeatures`.
     Phase: ``(response refresh, prompt refresh)`` of layers ``≥ 1`` at this forward (at most four graphs).
 
     ``similarity_grid``: 0 ranks the value cosines exactly as the released code does (``topk``); ``g > 0`` compares

@@ -24,13 +24,13 @@ loop's one host read per step:
 * ``first``: every position at every layer;
 * ``cached``: the query rows at every layer, ``C`` plan slots (the most query rows of a row, rounded up to a
   multiple of :data:`GRANULE`), the trigger decided per row on the device at layers ``1 ..``;
-* ``fire0``: layer 0's trigger is decided at the end of the previous step (:meth:`ElasticCacheRefresh.look_ahead`:
+* ``fire0``: layer 0's trigger is decided at the end of the previous step (:meth:`ElasticCacheRefresh.after_step`:
   the query rows' layer-0 queries and keys projected from their embeddings); when it fires in some row, the step's
   plan is per layer: layer 0 computes the query rows in ``C`` slots as a ``cached`` step does, the layers above
   ``T`` slots (slot = position): every position in the rows that fired and the query rows in the others (which
   check the trigger from layer 1);
 * ``rerun`` from layer ``s``: rows whose first trigger ``l ≥ 1`` leaves a layer above the merge layer
-  (``l ≤ L - 3``) commit nothing in their ``cached`` step (:meth:`ElasticCacheRefresh.held`); the next step
+  (``l ≤ L - 3``) commit nothing in their ``cached`` step (:meth:`_CachedPass.held`); the next step
   recomputes them, at layer ``l + 1`` every position that was not a query row (the query rows' outputs there are
   already the cached pass's, from the same inputs and keys), above it every position, and they commit. The cached
   pass's layers above ``l + 1`` are computed and thrown away (counted).
@@ -52,15 +52,15 @@ from attrs import validators as v
 
 from polestar.kernels.proxy_attention import proxy_attention
 from polestar.models import layer_regions, layer_scan
-from polestar.models.backbone import LayerQKV
 from polestar.models.cost import CostMeter, StepCost
+from polestar.models.hooks import LayerQKV
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layer_regions import StageRegion, attend_mlp, qkv_rows
 from polestar.models.layers import RopeTable, Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
 from polestar.registry import register
-from polestar.stages import LayerHook, RefreshSelector
+from polestar.stages import AfterStep, LayerHook, RefreshSelector
 from polestar.state import DecodeState, StepPosition
 
 FIRST, CACHED, FIRE0, RERUN = "first", "cached", "fire0", "rerun"
@@ -190,21 +190,15 @@ class ElasticCacheRefresh(RefreshSelector):
     def hook(self, state, plan, cache, model, local: ElasticState):
         return _PASSES[state.phase.refresh[0]](self, state, plan, cache, LayerOps(model), local)
 
-    def held(self, state: DecodeState, local: ElasticState) -> torch.Tensor | None:
-        kind = state.phase.refresh[0]
-        if kind in (CACHED, FIRE0):  # rows whose first trigger leaves a layer above the merge layer: continued next
-            fired = local.fired
-            local.deferred.copy_((fired >= 0) & (fired < state.n_layers - 2) & state.active)
-            return local.deferred.clone()
-        if kind == RERUN:  # the other rows completed their forward at the previous step
-            done = ~local.deferred
-            local.deferred.zero_()
-            return done
-        return None
+    def after_step(self, state: DecodeState, cache: DecodeCache, model, local: ElasticState) -> AfterStep:
+        """After the step's commits: layer 0's trigger for each row's next forward (:meth:`_layer0_ahead`, with
+        three layers or more) and the flags for the next step (:meth:`_flags`)."""
+        cost = self._layer0_ahead(state, cache, model, local)
+        return AfterStep(self._flags(state, local), cost)
 
-    def next_step_flags(self, state: DecodeState, local: ElasticState) -> torch.Tensor:
+    def _flags(self, state: DecodeState, local: ElasticState) -> torch.Tensor:
         """``[L - 2 + 1 + buckets - 1]`` bool: per layer ``j < L - 2``, some row was deferred with its first trigger
-        at ``j``; whether some row's next forward fires at layer 0 (:meth:`look_ahead`; with three layers or more);
+        at ``j``; whether some row's next forward fires at layer 0 (:meth:`_layer0_ahead`; with three layers or more);
         then the next ``cached`` step's plan size in a thermometer code (the most query rows of a row exceeds
         ``GRANULE · i``, ``i = 1 ..``)."""
         L = state.n_layers
@@ -215,7 +209,7 @@ class ElasticCacheRefresh(RefreshSelector):
         steps = GRANULE * torch.arange(1, self.buckets(state), device=state.x.device)
         return torch.cat([reruns, fire0, most > steps])
 
-    def look_ahead(self, state: DecodeState, cache: DecodeCache, model, local: ElasticState) -> StepCost | None:
+    def _layer0_ahead(self, state: DecodeState, cache: DecodeCache, model, local: ElasticState) -> StepCost | None:
         """After the step's commits: the layer-0 trigger of each row's next forward (its query rows' queries and keys
         at layer 0 are projected from their embeddings, the tracked tokens' attention compared as at any layer),
         into ``local.fired0`` and ``local.sim0``; the rows it fires in are recomputed from layer 1 in that forward
@@ -385,7 +379,7 @@ class ElasticState:
     next step; ``seen [B, T]`` the masked positions at the row's last forward (its commits since are the next query
     rows); ``member [B, T]`` the last ``cached`` step's query rows; ``fired0 [B]`` and ``sim0 [B]``: the next
     forward's layer-0 trigger and similarity, decided at the end of the previous step
-    (:meth:`ElasticCacheRefresh.look_ahead`); ``fired`` is ``-1`` in a row recomputed from layer 1; ``layer_ids
+    (:meth:`ElasticCacheRefresh.after_step`); ``fired`` is ``-1`` in a row recomputed from layer 1; ``layer_ids
     [L]`` long ``0 .. L-1`` (a layer's index as a device scalar, so one compiled trigger test serves every layer)."""
 
     q: tuple[torch.Tensor, ...] | None
@@ -572,6 +566,14 @@ class _CachedPass(_TrackPass):
     def window_slots(self, layer: int) -> torch.Tensor:
         return self.window0 if layer == 0 else self.plan.target_offset
 
+    def held(self) -> torch.Tensor:
+        """After the forward: rows whose first trigger left a layer above the merge layer (``fired < L - 2``) are
+        deferred: they commit nothing now and recompute from above that layer at the next step (a ``rerun``)."""
+        local, state = self.local, self.state
+        fired = local.fired
+        local.deferred.copy_((fired >= 0) & (fired < state.n_layers - 2) & state.active)
+        return local.deferred.clone()
+
     def checks(self, layer: int) -> bool:
         return not (layer == 0 and self.skip0)
 
@@ -616,6 +618,13 @@ class _RerunPass(_TrackPass):
 
     def retrack_rows(self, layer: int) -> torch.Tensor:
         return self.local.deferred & self.state.active & (layer >= self.local.fired + 2)
+
+    def held(self) -> torch.Tensor:
+        """After the forward: the rows that were not deferred completed their forward at the previous step, so they
+        are held here; the deferred ones complete now."""
+        done = ~self.local.deferred
+        self.local.deferred.zero_()
+        return done
 
 
 _PASSES = {FIRST: _FirstPass, CACHED: _CachedPass, FIRE0: _CachedPass, RERUN: _RerunPass}

@@ -32,7 +32,6 @@ distributions ``[B, H, K, T + 1]``; drift ``[B, K]``; member buffer ``[B, M_l]``
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import attrs
 import torch
@@ -42,11 +41,12 @@ from polestar.kernels.kmeans import init_keys
 from polestar.models.layer_ops import LayerOps
 from polestar.models.plan import DecodeCache, Plan, span_plan
 from polestar.registry import register
-from polestar.stages import RefreshSelector
+from polestar.stages import NOTHING_AHEAD, AfterStep, RefreshSelector
 from polestar.state import DecodeState, StepPosition
 from polestar.streams import SideStream
 
 from .polestar_hooks import PolestarBuildHook, PolestarMembers
+from .polestar_state import PolestarPhase, PolestarRefreshState, WindowBuffers, WindowStacks
 from .polestar_update import BuildLayer, UpdateLayer
 from .refresh_basic import block_plan, block_start_plan
 from .row_store import RowStore
@@ -115,7 +115,7 @@ class PolestarRefresh(RefreshSelector):
                                      f"only n_clusters clusters exist to pick from; lower {name} or raise n_clusters")
 
     needs_hidden = False
-    requires = {"drift": "kl", "cluster": "kmeans", "quant": "none", "offload": "none"}
+    requires = ("drift", "cluster", "quant", "offload")
 
     def bind(self, stages: dict) -> None:
         self.drift, self.clusterer = stages["drift"], stages["cluster"]
@@ -176,13 +176,38 @@ class PolestarRefresh(RefreshSelector):
         if window == 0:
             return
         if n_post not in local.windows:
-            local.windows[n_post] = WindowBuffers.allocate(self, state, model, self.config.prefix_blocks *
-                                                           state.block_length, n_post)
+            local.windows[n_post] = self.window_buffers(state, model, self.config.prefix_blocks * state.block_length,
+                                                        n_post)
         cur = local.current = local.windows[n_post]
         if cur.keys is not None:
             L, P = model.spec.n_layers, len(cur.parts)
             n_max = cur.keys.shape[-1]
             cur.keys.copy_(init_keys(L * P, n_max, state.generator, state.x.device).view(L, P, n_max))
+
+    def window_buffers(self, state: DecodeState, model, n_pre: int, n_post: int) -> WindowBuffers:
+        """The :class:`WindowBuffers` of a window of ``n_pre`` prefix and ``n_post`` suffix columns, for this
+        selector's stages (allocated once per window size)."""
+        spec, B, device, dtype = model.spec, state.batch_size, state.x.device, model.dtype
+        L, n = spec.n_layers, n_pre + n_post
+        parts = tuple(window_parts_of(n_pre, n, self.config.n_clusters))
+        K = sum(k for _lo, _hi, k in parts)
+        n_max = max(hi - lo for lo, hi, _k in parts)
+        args = (self.quant, self.offload, L, B, n)
+        keys = torch.zeros(L, len(parts), n_max, device=device) if self.clusterer.needs_keys else None
+
+        def zeros(*shape, dt=dtype):
+            return torch.zeros(L, *shape, dtype=dt, device=device)
+
+        store = RowStore(*args, spec.d_model, device, dtype)
+        qstore = RowStore(*args, spec.n_heads * spec.head_dim, device, dtype)
+        usable = UpdateLayer.usable(self.drift, store, qstore)
+        capacity = self.capacities(n, L)[min(1, L - 1)]  # a middle layer's
+        update = UpdateLayer(self.drift, self.config.topk, capacity, store, qstore, spec, n) if usable else None
+        build = BuildLayer(store, qstore, spec) if usable else None
+        stacks = WindowStacks(zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long), zeros(B, K, dt=torch.long),
+                              zeros(B, K, dt=torch.long), zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32))
+        return WindowBuffers(parts, store, qstore, keys, *(t.unbind(0) for t in stacks), tuple(self.capacities(n, L)),
+                             stacks, update, build)
 
     #: bytes of kept window inputs (with the clusterer's fp32 copies of them) one block start's clusterer call may
     #: hold when clustering layers together: the layers are clustered in groups that fit (every layer in one call
@@ -231,18 +256,18 @@ class PolestarRefresh(RefreshSelector):
         return make_window(state.clock.block_start, bl, state.logit_shift, self.config.prefix_blocks * bl,
                            state.phase.refresh.n_post, cache)
 
-    def next_step_flags(self, state: DecodeState, local: PolestarRefreshState) -> torch.Tensor | None:
-        """``[1]`` bool: is any row due for a sparse update at the next step. A row is due when the step just taken
-        committed more than ``tau_upd`` tokens or more than ``tau_upd + 1`` were committed since its last update;
-        ``local.due [B]`` keeps which rows (the others take part with no member). Written in place."""
+    def after_step(self, state: DecodeState, cache: DecodeCache, model, local: PolestarRefreshState) -> AfterStep:
+        """Flags ``[1]`` bool: is any row due for a sparse update at the next step. A row is due when the step just
+        taken committed more than ``tau_upd`` tokens or more than ``tau_upd + 1`` were committed since its last
+        update; ``local.due [B]`` keeps which rows (the others take part with no member). Written in place."""
         if self.config.prefix_blocks == 0 and self.config.suffix_blocks == 0:
-            return None
+            return NOTHING_AHEAD
         last = state.last_commits
         tau = self.config.tau_upd
         due = state.active & ((last > tau) | (local.since + last > tau + 1))
         local.since.copy_(torch.where(due, 0, local.since + last))
         local.due.copy_(due)
-        return due.any()[None]
+        return AfterStep(due.any()[None])
 
     def refreshes_layer(self, layer: int, n_layers: int) -> bool:
         """Whether a sparse update recomputes members at ``layer``: at every layer but the last, and at the last only
@@ -256,100 +281,3 @@ class PolestarRefresh(RefreshSelector):
         c = self.config
         return [member_capacity(window, c.topk_last if layer == n_layers - 1 else c.topk, c.n_clusters, c.capacity)
                 for layer in range(n_layers)]
-
-
-class PolestarPhase(NamedTuple):
-    """:class:`PolestarRefresh`'s entry of the step phase: ``kind`` ``"build"`` (a block start that clusters and
-    stores the window), ``"start"`` (a block start with an empty window), ``"update"`` (a sparse-update step) or
-    ``"plain"``; ``n_post`` the window's suffix columns
-    (where the step reads the window); ``span`` at a window-refresh block start, the length of the recomputed span
-    (0: a full forward)."""
-
-    kind: str
-    n_post: int
-    span: int
-
-
-@attrs.define
-class WindowBuffers:
-    """The buffers of one window size (``Nw = n_pre + n_post`` columns), allocated once and reused by every block and
-    generation with that window: the stores of the window's layer inputs and queries (:class:`RowStore`
-    ``[B, Nw, d]`` and ``[B, Nw, H * hd]`` per layer), the k-means seeds ``keys [L, P, n]`` (one key row per layer
-    and window part, shared by the batch; None for a clusterer without keys), and per layer (a tuple of ``L`` tensors
-    each, the rows of a stack, as the cache's K/V) the block start's
-    clusters: ``centroids [B, K, d]``, ``labels [B, Nw]`` (-1 invalid), ``counts [B, K]``, ``centroid_pos [B, K]`` and
-    the last update's proxy distributions ``prev [B, H, K, T+1]``, each tuple the rows of one stack
-    ``[L, ...]`` (``stacks``: a scan over layers reads and writes back the stacks). ``parts``: the window parts'
-    ``(lo, hi, k)`` (:func:`window_parts`)."""
-
-    parts: tuple
-    store: RowStore
-    qstore: RowStore
-    keys: torch.Tensor | None
-    centroids: tuple[torch.Tensor, ...]
-    labels: tuple[torch.Tensor, ...]
-    counts: tuple[torch.Tensor, ...]
-    centroid_pos: tuple[torch.Tensor, ...]
-    prev: tuple[torch.Tensor, ...]
-    #: each layer's member-buffer rows (:meth:`PolestarRefresh.capacities`)
-    capacity: tuple[int, ...] = ()
-    #: ``centroids, labels, counts, centroid_pos, prev`` stacked over the layers (the tuples above are their rows)
-    stacks: WindowStacks | None = None
-    #: a sparse-update step's middle layers as one region (None where the stages or stores cannot run in one)
-    update: UpdateLayer | None = None
-    #: a block start's layers as regions (None where the stages or stores cannot run in one)
-    build: BuildLayer | None = None
-
-    @classmethod
-    def allocate(cls, sel: PolestarRefresh, state: DecodeState, model, n_pre: int, n_post: int) -> WindowBuffers:
-        spec, B, device, dtype = model.spec, state.batch_size, state.x.device, model.dtype
-        L, n = spec.n_layers, n_pre + n_post
-        parts = tuple(window_parts_of(n_pre, n, sel.config.n_clusters))
-        K = sum(k for _lo, _hi, k in parts)
-        n_max = max(hi - lo for lo, hi, _k in parts)
-        args = (sel.quant, sel.offload, L, B, n)
-        keys = torch.zeros(L, len(parts), n_max, device=device) if sel.clusterer.needs_keys else None
-
-        def zeros(*shape, dt=dtype):
-            return torch.zeros(L, *shape, dtype=dt, device=device)
-
-        store = RowStore(*args, spec.d_model, device, dtype)
-        qstore = RowStore(*args, spec.n_heads * spec.head_dim, device, dtype)
-        usable = UpdateLayer.usable(sel, store, qstore)
-        update = UpdateLayer(sel, store, qstore, spec, n) if usable else None
-        build = BuildLayer(store, qstore, spec) if usable else None
-        stacks = WindowStacks(zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long), zeros(B, K, dt=torch.long),
-                              zeros(B, K, dt=torch.long), zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32))
-        return cls(parts, store, qstore, keys, *(t.unbind(0) for t in stacks), tuple(sel.capacities(n, L)), stacks,
-                   update, build)
-
-
-class WindowStacks(NamedTuple):
-    """:class:`WindowBuffers`' per-layer clusters as stacks over the layers: ``centroids [L, B, K, d]``, ``labels
-    [L, B, Nw]``, ``counts [L, B, K]``, ``centroid_pos [L, B, K]``, ``prev [L, B, H, K, T+1]``."""
-
-    centroids: torch.Tensor
-    labels: torch.Tensor
-    counts: torch.Tensor
-    centroid_pos: torch.Tensor
-    prev: torch.Tensor
-
-
-@attrs.define
-class PolestarRefreshState:
-    """Per-generation state of :class:`PolestarRefresh`, preallocated and written in place.
-
-    ``side``: the side stream of the block-start work; ``since``: ``[B]`` tokens committed since each row's last
-    update; ``due``: ``[B]`` rows due for an update at the next step (both reset at each block start);
-    ``key_rope``: cos, -sin ``[B, 1, T + 1, hd]`` of the cache positions for
-    :func:`~polestar.policies.polestar_hooks.proxy_probs`, written once per generation (None with ``proxy_rope``);
-    ``windows``: the :class:`WindowBuffers` of each window suffix width met so
-    far, and ``current`` the current block's (set on the host when the block starts; None for an empty window).
-    """
-
-    side: SideStream
-    since: torch.Tensor
-    due: torch.Tensor
-    key_rope: tuple | None = None
-    windows: dict = attrs.field(factory=dict)
-    current: WindowBuffers | None = None

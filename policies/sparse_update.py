@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from polestar.models.backbone import ExtraRows, LayerQKV, MemberRows
+from polestar.models.hooks import ExtraRows, LayerQKV, MemberRows
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layers import RopeTable
 from polestar.models.plan import DecodeCache

@@ -8,13 +8,14 @@ The layers of the installed package:
 * the core (the modules in ``polestar/``, except the façade ``polestar/__init__.py`` that wires the built-in
   stages in and the command line ``polestar/cli.py``) reaches no ``polestar.policies`` module;
 * no runtime module reaches ``polestar.training`` (it lives outside the runtime import path);
-* there is no import cycle.
+* there is no import cycle, not even through imports made for annotations only (``if TYPE_CHECKING:``): a loop of
+  type-only imports is still a design loop (two modules that each need the other's types).
 
 The graph is built from the import statements of each module's source (``ast``), including imports inside
-functions, excluding those under ``if TYPE_CHECKING:``. ``from P import n`` is an edge to ``P.n`` when that is a
-module, else to ``P``; importing ``P.Q.m`` also runs the ``__init__`` of each package ``P.Q`` the importer is not
-inside of, so those packages are edges too (except the root ``polestar``: the façade runs before every module
-and is an edge only where a module imports it by name).
+functions; the layer rules exclude those under ``if TYPE_CHECKING:``, the cycle check includes them.
+``from P import n`` is an edge to ``P.n`` when that is a module, else to ``P``; importing ``P.Q.m`` also runs the
+``__init__`` of each package ``P.Q`` the importer is not inside of, so those packages are edges too (except the
+root ``polestar``: the façade runs before every module and is an edge only where a module imports it by name).
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST):
-    """Import / ImportFrom nodes of ``tree``, skipping the bodies of ``if TYPE_CHECKING:``."""
+def _import_nodes(tree: ast.AST, type_only: bool = False):
+    """Import / ImportFrom nodes of ``tree``; the bodies of ``if TYPE_CHECKING:`` only with ``type_only``."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -84,11 +85,11 @@ def _with_parent_packages(importer: str, target: str, modules) -> set[str]:
     return out
 
 
-def _internal_imports(name: str, path: Path, modules) -> set[str]:
+def _internal_imports(name: str, path: Path, modules, type_only: bool = False) -> set[str]:
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     targets: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(), str(path)), type_only):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
@@ -112,10 +113,11 @@ def _internal_imports(name: str, path: Path, modules) -> set[str]:
 
 
 @cache
-def import_graph() -> dict[str, frozenset[str]]:
-    """Module → the package modules it imports (static, see the module docstring)."""
+def import_graph(type_only: bool = False) -> dict[str, frozenset[str]]:
+    """Module → the package modules it imports (static, see the module docstring); with ``type_only`` also those
+    it imports under ``if TYPE_CHECKING:``."""
     modules = package_modules()
-    return {name: frozenset(_internal_imports(name, path, modules)) for name, path in modules.items()}
+    return {name: frozenset(_internal_imports(name, path, modules, type_only)) for name, path in modules.items()}
 
 
 def reachable(start: str) -> set[str]:
@@ -214,6 +216,13 @@ def test_import_graph_resolves_each_import_form():
 
 def test_no_import_cycles():
     assert import_cycles(import_graph()) == []
+
+
+def test_no_import_cycles_through_type_only_imports():
+    graph = import_graph(type_only=True)
+    assert "polestar.models.layers" in graph["polestar.models.hooks"]  # an import under TYPE_CHECKING is an edge
+    assert "polestar.models.layers" not in import_graph()["polestar.models.hooks"]
+    assert import_cycles(graph) == []
 
 
 def test_kernels_import_only_kernels():

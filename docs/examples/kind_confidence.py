@@ -53,7 +53,7 @@ def confidence_laws(stage, log_probs):
 
 register_kind(StageKind(
     "confidence", ConfidenceMeasure, "how sure the model is of each proposed token",
-    contract={"score": check_confidence}, examples=confidence_examples, laws=confidence_laws))
+    contract={"score": check_confidence}, examples=confidence_examples, laws=confidence_laws, default="margin"))
 
 
 @polestar.register("confidence", "margin")
@@ -74,7 +74,7 @@ class ConfidentCommit(CommitRule):
     """Commit every masked token whose ``confidence`` stage scores at least ``threshold``, and always the most
     probable one. Shapes: ``[B, bl]``."""
 
-    requires = {"confidence": "margin"}
+    requires = ("confidence",)
 
     @attrs.frozen
     class Config:

@@ -9,8 +9,8 @@ runs inside the step, which may be compiled whole: it reads positions from ``sta
 the step's variant from ``state.phase.refresh``, which ``phase(position, state, local)`` computed on the host
 from the loop's position (plain ints), and builds tensors, but never reads a tensor's values on the host. Each
 distinct phase is one compiled graph, so the phase carries what sets the plan's shape. Optional methods:
-``allocate`` (host-side, per block), ``hook`` (a layer hook for sparse updates), ``probe`` / ``observe``
-(attention rows and bookkeeping).
+``allocate`` (host-side, per block), ``hook`` (a layer hook for sparse updates; its ``held()`` keeps rows' commits
+for the next step) and ``after_step`` (decisions for the next step's variant, read with the loop's one host read).
 """
 
 import attrs
