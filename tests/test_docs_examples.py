@@ -23,6 +23,7 @@ REGISTERS = {
     "cluster_stride": ("cluster", "stride"), "commit_same_twice": ("commit", "same-twice"),
     "drift_hellinger": ("drift", "hellinger"), "offload_host": ("offload", "host"), "quant_int8": ("quant", "int8"),
     "refresh_lookahead": ("refresh", "lookahead"), "policy_hellinger": ("policy", "polestar-hellinger"),
+    "refresh_every_k": ("refresh", "every-k"),
     "kind_confidence": ("confidence", "margin"),
 }
 
@@ -130,3 +131,47 @@ def test_ci_runs_the_readme_test_command_and_the_fast_loop_is_documented():
     assert fast == f'{command} -m "not slow"'
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'test = \[[^\]]*"pytest-xdist>=3"', pyproject)  # -n comes with the test extra
+
+
+WORKED = ROOT / "docs" / "examples" / "refresh_every_k.py"
+
+
+def test_the_worked_refresh_selector_is_short():
+    """The stage itself, its state class and its config: at most 40 lines (the docs' worked example)."""
+    lines = WORKED.read_text().split("\n\n\n@attrs.define")[1].split("\nif __name__")[0].splitlines()
+    assert 20 < len([line for line in lines if line.strip()]) <= 40
+
+
+def test_the_worked_refresh_selector_runs_through_every_command(tmp_path, isolated_registry):
+    """``--plugin`` brings the selector from outside the package to generate, bench, trace and the stage checks;
+    never due it decodes as Fast-dLLM's dual cache, always due as a refresh at every step (tokens and work)."""
+    from polestar.cli import main
+
+    plugin = ["--plugin", str(WORKED)]
+    common = ["--model", "tiny-llada", "--task", "arith"]
+    assert main(["generate", *common, *plugin, "--prompt", "3+4*2-5", "--set", "refresh=every-k"]) == 0
+    report = tmp_path / "bench.json"
+    assert main(["bench", *common, *plugin, "--policies", "fast-dllm", "--n", "4", "--set", "refresh=every-k",
+                 "--json", str(report), "--quiet"]) == 0
+    assert report.exists()
+    assert main(["trace", *common, *plugin, "--index", "0", "--policies", "fast-dllm", "--set", "refresh=every-k",
+                 "--out", str(tmp_path / "trace"), "--no-png"]) == 0
+    assert (tmp_path / "trace" / "trace.html").exists()
+    from polestar.testing import check_stage
+
+    check_stage("refresh", "every-k", ["contract", "invariants"])
+
+    import polestar
+    from polestar.bench.harness import load_problems
+    from polestar.tasks import get_task
+
+    model, task = polestar.load("tiny-llada"), get_task("arith")
+    prompts = [task.format_prompt(p.input) for p in load_problems("arith", 4)]
+
+    def run(**kw):
+        out = polestar.generate(model, prompts, policy="fast-dllm", **kw)
+        return out.tokens.tolist(), out.stats.token_layer_evals
+
+    never = {"refresh": "every-k", "refresh.every": 1000, "refresh.burst": 1000}
+    assert run(**never) == run()
+    assert run(**{"refresh": "every-k", "refresh.every": 1}) == run(**{"refresh.refresh_interval": 1})
