@@ -45,6 +45,8 @@ from .state import CommitSelection, DecodeState, Prediction, StepPosition, Suffi
 class Stage:
     """A pipeline stage: a frozen attrs ``Config`` and pure methods (see the module docstring for the lifecycle).
 
+    ``trace_figures``: figures this stage adds to ``polestar trace`` (:class:`polestar.tracing.stage_figure.
+    StageFigure`: each reads what the stage gathered in :attr:`~polestar.state.StepDetail.stages` and draws it).
     ``requires``: the stage kinds this stage composes (it reads them in :meth:`bind`); where a policy names no stage
     of one, :func:`polestar.assemble` adds that kind's default (:attr:`polestar.stage_kinds.StageKind.default`).
     """
@@ -53,6 +55,7 @@ class Stage:
     name: str
     Config: type
     requires: tuple[str, ...] = ()
+    trace_figures: tuple = ()
 
     def __init__(self, config):
         self.config = config

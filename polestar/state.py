@@ -179,21 +179,21 @@ class StepDetail:
 
     Filled only while an observer records (``DecodeState.detail`` is None otherwise, and no stage gathers anything):
     the entries are references to tensors the step computes anyway, so recording adds no host read to a step.
-    ``refreshed[l]``: ``(positions [B, M] long cache positions, valid [B, M] bool)`` of the members a sparse
-    update recomputed at layer ``l`` (every sparse-update method, through
-    :class:`~polestar.policies.sparse_update.SparseUpdate`); ``clusters[l]``: Polestar-Cache's
-    :class:`~polestar.policies.polestar_hooks.ClusterDrift` (any record with per-row ``drift`` and ``chosen``
-    ``[B, K]``: the trace reads those); ``similarity[l]``: Elastic-Cache's ``[B]`` cosine similarity of the tracked
-    keys' attention rows with the previous step's, ``triggered[l]``: ``[B]`` bool rows whose similarity fell below
-    ``gamma`` at this layer or below (so recomputed from their first triggered layer upward); ``computed[l]``:
-    ``(positions [B, X], valid [B, X])`` of the plan rows layer ``l`` put through attention and the MLP, where a hook
-    restricted the layer's pass to some of them (dLLM-Cache's feature cache; absent: every plan row)."""
+    What every policy may have: ``refreshed[l]``: ``(positions [B, M] long cache positions, valid [B, M] bool)``
+    of the members a sparse update recomputed at layer ``l`` (every sparse-update method, through
+    :class:`~polestar.policies.sparse_update.SparseUpdate`); ``computed[l]``: ``(positions [B, X], valid [B, X])``
+    of the plan rows layer ``l`` put through attention and the MLP, where a hook restricted the layer's pass to some
+    of them (dLLM-Cache's feature cache; absent: every plan row). ``stages``: what one stage alone gathers, under
+    a name of its own, layer → its record (:meth:`entry`; Polestar-Cache's cluster drifts, Elastic-Cache's
+    trigger): read by the stage's own trace figures (``Stage.trace_figures``)."""
 
     refreshed: dict = attrs.field(factory=dict)
     computed: dict = attrs.field(factory=dict)
-    clusters: dict = attrs.field(factory=dict)
-    similarity: dict = attrs.field(factory=dict)
-    triggered: dict = attrs.field(factory=dict)
+    stages: dict = attrs.field(factory=dict)
+
+    def entry(self, name: str) -> dict:
+        """The per-layer records a stage gathers under ``name`` (created empty on first use)."""
+        return self.stages.setdefault(name, {})
 
 
 class StepPosition(NamedTuple):

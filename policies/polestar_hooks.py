@@ -36,6 +36,7 @@ from polestar.models.plan import DecodeCache
 from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
 
+from .polestar_trace import CLUSTERS
 from .sparse_update import MemberStrategy, Packet, Selection
 
 if TYPE_CHECKING:
@@ -396,7 +397,7 @@ class PolestarMembers(MemberStrategy):
         rows, valid, chosen = cluster_members(drift, counts, labels, self.window.valid, self.due, k,
                                               self.capacity[layer], self.trash)
         if self.detail is not None:  # an observer records: every cluster's drift and the chosen ones
-            self.detail.clusters[layer] = ClusterDrift(drift, counts, chosen, self.window.positions, labels)
+            self.detail.entry(CLUSTERS)[layer] = ClusterDrift(drift, counts, chosen, self.window.positions, labels)
         with scope("store"):
             q = buf.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
         inputs = None

@@ -63,6 +63,8 @@ from polestar.registry import register
 from polestar.stages import AfterStep, LayerHook, RefreshSelector
 from polestar.state import DecodeState, StepPosition
 
+from .elastic_trace import TRIGGER, TRIGGER_LAYER
+
 FIRST, CACHED, FIRE0, RERUN = "first", "cached", "fire0", "rerun"
 #: a ``cached`` step's plan holds a multiple of this many slots (one graph per size met)
 GRANULE = 8
@@ -76,6 +78,8 @@ class ElasticCacheRefresh(RefreshSelector):
     model's EOS) when it stops at EOS (``stop_at_eos``), else none; the released code hard-codes 126081 (LLaDA-8B's
     ``<|endoftext|>``), which on any other vocabulary never stops it: ``eos_id=126081`` with ``stop_at_eos=False``
     reproduces that (an explicit id bounds the window whatever ``stop_at_eos`` says)."""
+
+    trace_figures = (TRIGGER_LAYER,)
 
     @attrs.frozen
     class Config:
@@ -598,8 +602,7 @@ class _CachedPass(_TrackPass):
         local, cache, state = self.local, self.cache, self.state
         if layer == 0 and self.skip0:
             if self.detail is not None:
-                self.detail.similarity[0] = local.sim0.clone()
-                self.detail.triggered[0] = local.fired <= 0
+                self.detail.entry(TRIGGER)[0] = (local.sim0.clone(), local.fired <= 0)
             return
         keys = cache.k[layer]
         qkv.meter.attention(keys, None)
@@ -608,8 +611,7 @@ class _CachedPass(_TrackPass):
                                state.n_layers)
         local.fired.copy_(fired)
         if self.detail is not None:  # an observer records: the similarity and the rows triggered so far
-            self.detail.similarity[layer] = sim
-            self.detail.triggered[layer] = local.fired <= layer
+            self.detail.entry(TRIGGER)[layer] = (sim, local.fired <= layer)
 
 
 class _RerunPass(_TrackPass):

@@ -47,6 +47,7 @@ from polestar.streams import SideStream
 
 from .polestar_hooks import PolestarBuildHook, PolestarMembers
 from .polestar_state import PolestarPhase, PolestarRefreshState, WindowBuffers, WindowStacks
+from .polestar_trace import CLUSTER_DRIFT
 from .polestar_update import BuildLayer, UpdateLayer
 from .refresh_basic import block_plan, block_start_plan
 from .row_store import RowStore
@@ -116,6 +117,7 @@ class PolestarRefresh(RefreshSelector):
 
     needs_hidden = False
     requires = ("drift", "cluster", "quant", "offload")
+    trace_figures = (CLUSTER_DRIFT,)
 
     def bind(self, stages: dict) -> None:
         self.drift, self.clusterer = stages["drift"], stages["cluster"]

@@ -107,15 +107,15 @@ def test_the_trigger_fires_exactly_where_the_tracked_tokens_attention_moved_past
     records = []
     run_policy(model, PROMPTS[:1], on_step=records.append, eos_id=OFFICIAL_EOS, gamma=gamma)
     _, stats = run_reference(model, PROMPTS[:1], gamma=gamma)
-    checked = [r for r in records if r.detail.similarity]  # the forwards after the first, in order
+    checked = [r for r in records if r.detail.stages.get("trigger")]  # the forwards after the first, in order
     want: dict = {}
     for forward, layer, sim in stats[0]["similarity"]:
         want.setdefault(forward, {})[layer] = sim
     assert len(checked) == len(want) == stats[0]["nfe"] - 1
     fired_forwards = 0
     for record, forward in zip(checked, sorted(want)):
-        sims = [float(record.detail.similarity[layer][0]) for layer in range(L)]
-        triggered = [bool(record.detail.triggered[layer][0]) for layer in range(L)]
+        sims = [float(record.detail.stages["trigger"][layer][0][0]) for layer in range(L)]
+        triggered = [bool(record.detail.stages["trigger"][layer][1][0]) for layer in range(L)]
         first = next((layer for layer in range(L) if sims[layer] < gamma), L)
         assert triggered == [layer >= first for layer in range(L)]
         # the reference checks the layers up to its first trigger (later layers are recomputed, not checked)

@@ -52,7 +52,7 @@ def test_clustering_layers_together_equals_clustering_each_inside_its_pass(famil
         records = []
         out = _gen(m, "polestar", cluster_layers_together=together, tau_upd=0, proxy_rope=proxy_rope,
                    on_step=records.append)
-        runs[together] = (out, [r.detail.clusters for r in records])
+        runs[together] = (out, [r.detail.stages.get("clusters", {}) for r in records])
     (each, each_clusters), (joint, joint_clusters) = runs[False], runs[True]
     assert joint.tokens.tolist() == each.tokens.tolist()
     assert joint.stats.proxy_query_evals == each.stats.proxy_query_evals
@@ -84,8 +84,8 @@ def test_layers_clustered_in_groups_equal_all_layers_in_one_call(monkeypatch):
     assert (grouped.stats.token_layer_evals, grouped.stats.weight_bytes) == (one.stats.token_layer_evals,
                                                                              one.stats.weight_bytes)
     for a, b in zip(one_steps, grouped_steps):
-        for layer in a.detail.clusters:
-            assert torch.equal(a.detail.clusters[layer].drift, b.detail.clusters[layer].drift)
+        for layer, clusters in a.detail.stages.get("clusters", {}).items():
+            assert torch.equal(clusters.drift, b.detail.stages["clusters"][layer].drift)
     monkeypatch.undo()
     assert PolestarRefresh(PolestarRefresh.Config()).layers_per_cluster_call(32, 96, 4096, 32) == 1  # 8B, batch 32
     assert PolestarRefresh(PolestarRefresh.Config()).layers_per_cluster_call(1, 96, 4096, 32) == 32  # 8B, batch 1

@@ -25,6 +25,7 @@ from polestar.policy import assemble, policy_names
 from polestar.tasks import get_task
 from polestar.tracing.figures import first_difference, policy_figures
 from polestar.tracing.record import ORIGINS, TraceRecorder
+from polestar.tracing.stage_figure import figures_of
 from tests.conftest import make_model
 from tests.host_reads import count_host_reads
 
@@ -39,8 +40,10 @@ def small_model(request):
 
 def _decode(model, name: str):
     """Decode ``PROMPT`` keeping both the raw records and the trace's figure data."""
-    threshold = getattr(assemble(name, {"threshold?": 0.3}).commit.config, "threshold", None)
-    recorder = TraceRecorder(threshold, model.spec.n_layers)
+    pipeline = assemble(name, {"threshold?": 0.3})
+    threshold = getattr(pipeline.commit.config, "threshold", None)
+    figures_here = figures_of(pipeline)
+    recorder = TraceRecorder(threshold, model.spec.n_layers, figures_here)
     records = []
 
     def observe(record):
@@ -50,7 +53,7 @@ def _decode(model, name: str):
     out = polestar.generate(model, [PROMPT], policy=name, on_step=observe, **DECODING)
     final = out.tokens[0].tolist()
     figures = policy_figures(name, {}, recorder.steps, out.prompt_len, DECODING["block_length"], final,
-                             [str(t) for t in final], "", model.spec.n_layers)
+                             [str(t) for t in final], "", model.spec.n_layers, figures_here)
     return out, records, figures, threshold
 
 
@@ -119,34 +122,37 @@ def test_recomputed_positions_agree_with_the_records_and_the_counters(small_mode
     assert [c for c in fig.cost.proxy_rows] == [r.cost.probe_rows for r in records]
     assert sum(fig.cost.weight_bytes) == out.stats.weight_bytes
     refresh = assemble(name).refresh.name
-    assert (fig.drift is not None) == (refresh == "polestar" and grid.has_updates)
-    assert (fig.trigger is not None) == (refresh == "elastic" and any(r.block_step > 0 for r in records))
-    if fig.drift is not None:  # Polestar-Cache recomputes members of its chosen (most drifting) clusters only
-        steps = [s for s in records if s.detail.clusters]
-        assert list(fig.drift.steps) == [s.step for s in steps]
+    drift, trigger = fig.stage_figures.get("drift"), fig.stage_figures.get("trigger")
+    assert (drift is not None) == (refresh == "polestar" and grid.has_updates)
+    assert (trigger is not None) == (refresh == "elastic" and any(r.block_step > 0 for r in records))
+    # the core draws what every policy has; a stage's own figures come only with that stage
+    assert set(fig.stage_figures) <= {"drift", "trigger"}
+    if drift is not None:  # Polestar-Cache recomputes members of its chosen (most drifting) clusters only
+        steps = [s for s in records if s.detail.stages.get("clusters")]
+        assert list(drift.steps) == [s.step for s in steps]
         # every layer scores its clusters, the last only for a commit rule that reads its packet
         wants_packet = assemble(name).refresh.packet_logits
-        assert fig.drift.layers == tuple(range(n_layers if wants_packet else n_layers - 1))
+        assert drift.layers == tuple(range(n_layers if wants_packet else n_layers - 1))
         for i, r in enumerate(steps):
-            assert tuple(r.detail.clusters) == fig.drift.layers
-            for j, layer in enumerate(fig.drift.layers):
-                c = r.detail.clusters[layer]
-                assert list(fig.drift.drift[j][i]) == pytest.approx(c.drift[0].tolist())
+            assert tuple(r.detail.stages["clusters"]) == drift.layers
+            for j, layer in enumerate(drift.layers):
+                c = r.detail.stages["clusters"][layer]
+                assert list(drift.drift[j][i]) == pytest.approx(c.drift[0].tolist())
                 chosen = {int(c.positions[w]) for w in range(c.labels.shape[1])
                           if c.labels[0, w] >= 0 and c.chosen[0, c.labels[0, w]]}
                 assert set(grid.refreshed[layer][r.step]) <= chosen
         if not wants_packet:  # the last layer's members would feed nothing: none is recomputed
             assert not any(grid.refreshed[n_layers - 1])
-    if fig.trigger is not None:  # Elastic-Cache recomputes in its plan, from two layers above its trigger every
+    if trigger is not None:  # Elastic-Cache recomputes in its plan, from two layers above its trigger every
         # position, in the step that triggered (layer 0) or the next one; a trigger at the last two layers changes
         # no logit and recomputes nothing
         assert not any(any(layer) for layer in grid.refreshed)
         T = records[0].tokens_before.shape[1]
-        for step, trigger in zip(fig.trigger.steps, fig.trigger.trigger):
-            if trigger is None or trigger > n_layers - 3:
+        for step, first in zip(trigger.steps, trigger.trigger):
+            if first is None or first > n_layers - 3:
                 continue
-            done = records[step] if trigger == 0 else records[step + 1]
-            for layer in range(trigger + 2, n_layers):
+            done = records[step] if first == 0 else records[step + 1]
+            for layer in range(first + 2, n_layers):
                 assert len(grid.computed[layer][done.step]) == T
 
 
@@ -256,7 +262,7 @@ def test_a_plugin_stage_is_traced(tmp_path, isolated_registry):
     (fig,) = data["figures"]
     assert fig["stages"]["drift"] == "trace-l1"
     assert {c["origin"] for c in fig["commit"]["cells"]} <= set(ORIGINS)
-    assert fig["drift"] is not None and not list(out.glob("*.png"))
+    assert fig["stage_figures"]["drift"] is not None and not list(out.glob("*.png"))
     page = (out / "trace.html").read_text()  # the drift figure names the plugin's metric
     assert "Cluster drift per layer (polestar, drift=trace-l1)" in page
     assert "Drift metric: drift=trace-l1: Half the L1 distance of attention rows, averaged over heads" in page
@@ -265,8 +271,8 @@ def test_a_plugin_stage_is_traced(tmp_path, isolated_registry):
 def test_the_drift_figure_names_its_metric(tmp_path, monkeypatch):
     """The PNG's title and colour scale and the page's heading name the drift stage and what it computes."""
     pytest.importorskip("matplotlib")
+    from polestar.policies.polestar_trace import drift_metric
     from polestar.tracing import png
-    from polestar.tracing.figures import drift_metric
     from polestar.tracing.run import trace
 
     assert drift_metric({"drift": "kl"}) == "drift=kl: KL(cur ‖ prev) per head, averaged over heads (Polestar's drift)"
@@ -279,11 +285,11 @@ def test_the_drift_figure_names_its_metric(tmp_path, monkeypatch):
                             for text in (*(ax.get_title(loc) for loc in ("left", "center")), ax.get_ylabel())]
         return path
 
-    monkeypatch.setattr(png, "_save", keep)
+    monkeypatch.setattr(png, "save_figure", keep)
     model = polestar.load("tiny-llada")
     result = trace(model, get_task("arith").format_prompt("3+4*2-5"), ["polestar"], tmp_path, gen_length=32,
                    block_length=16, drift="js")
-    assert result.figures[0].drift is not None
+    assert result.figures[0].stage_figures["drift"] is not None
     drift_texts = " | ".join(texts["drift-polestar.png"])
     assert "drift=js: Jensen–Shannon divergence per head, averaged over heads" in drift_texts
     assert "drift=js (log scale)" in drift_texts  # the colour bar's label
@@ -371,3 +377,53 @@ def test_a_missing_browser_skips_the_page_check_here_and_fails_it_where_required
     # CI sets the variable before it runs the README's test command, so there a missing browser fails the suite
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
     assert f"export {REQUIRE_BROWSER}=1" in ci and ci.index(f"export {REQUIRE_BROWSER}=1") < ci.index("-m pytest")
+
+
+def test_a_stage_from_outside_adds_its_own_figure(tmp_path, isolated_registry):
+    """A stage gathers what it wants under a name of its own (``state.detail.entry``) and declares a figure that
+    reads it back and draws it; the core page and ``trace.json`` carry it, and a policy without that stage has no
+    such figure."""
+    from typing import NamedTuple
+
+    from polestar.policies.refresh_basic import DualRefresh
+    from polestar.tracing.run import trace
+
+    class WidthSeries(NamedTuple):
+        steps: tuple[int, ...]
+        width: tuple[int, ...]
+
+        def html(self, policy, trace):
+            return [f"<h2>Plan width ({policy.policy})</h2>", f"<p>{list(self.width)}</p>"]
+
+        def png(self, policy, trace, out):
+            return []
+
+    class WidthFigure:
+        key = "width"
+
+        def read(self, stages, row):
+            return int(stages["plan-width"][0][row]) if "plan-width" in stages else None
+
+        def series(self, steps, n_layers, stage_names):
+            return WidthSeries(tuple(s.step for s in steps), tuple(s.stages["width"] for s in steps))
+
+    @polestar.register("refresh", "dual-width")
+    class DualWidth(DualRefresh):
+        trace_figures = (WidthFigure(),)
+
+        def plan(self, state, cache, local=None):
+            plan = super().plan(state, cache, local)
+            if state.detail is not None:  # an observer records
+                state.detail.entry("plan-width")[0] = plan.valid.sum(dim=1)
+            return plan
+
+    model = polestar.load("tiny-llada")
+    prompt = get_task("arith").format_prompt("3+4*2-5")
+    result = trace(model, prompt, ["fast-dllm"], tmp_path, gen_length=32, block_length=16, png=False,
+                   refresh="dual-width")
+    width = result.figures[0].stage_figures["width"]
+    assert len(width.steps) == result.figures[0].nfe and max(width.width) > min(width.width) > 0
+    assert "<h2>Plan width (fast-dllm)</h2>" in (tmp_path / "trace.html").read_text()
+    assert json.loads((tmp_path / "trace.json").read_text())["figures"][0]["stage_figures"]["width"]["width"]
+    plain = trace(model, prompt, ["fast-dllm"], gen_length=32, block_length=16)
+    assert plain.figures[0].stage_figures == {}

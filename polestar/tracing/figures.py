@@ -5,17 +5,18 @@ what the HTML page and the PNG figures draw, as plain values (so a test can chec
   confidence, the positions that were still masked in the current block at each step, the final tokens;
 * :class:`RefreshGrid` — per layer, position × step: the columns the step's plan recomputed and the members each
   sparse update recomputed;
-* :class:`DriftSeries` — per layer, cluster × step: Polestar-Cache's cluster drifts and the chosen clusters;
-* :class:`TriggerSeries` — per step: Elastic-Cache's attention similarity per layer and its trigger layer;
-* :class:`CostSeries` — per step: rows computed, weight bytes, proxy rows and K/V bytes.
+* :class:`CostSeries` — per step: rows computed, weight bytes, proxy rows and K/V bytes;
+* the stages' own figures (:mod:`polestar.tracing.stage_figure`: Polestar-Cache's cluster drifts, Elastic-Cache's
+  trigger layer), made by the figures the stages declare.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .record import StepTrace
+from .stage_figure import StageFigure
 
 
 class CommitCell(NamedTuple):
@@ -56,28 +57,6 @@ class RefreshGrid(NamedTuple):
         return any(cols for layer in self.refreshed for cols in layer)
 
 
-class DriftSeries(NamedTuple):
-    """Polestar-Cache's cluster drift: ``steps`` the sparse-update steps and ``blocks`` their blocks (the clusters
-    are re-formed at each block start); ``layers`` the layers that scored their clusters (every layer but the last
-    unless the commit rule reads the last layer's packet); per entry ``j`` of ``layers``, ``drift[j][i]`` the
-    clusters' drifts at ``steps[i]`` and ``chosen[j][i]`` whether each was chosen for recompute."""
-
-    steps: tuple[int, ...]
-    blocks: tuple[int, ...]
-    layers: tuple[int, ...]
-    drift: tuple[tuple[tuple[float, ...], ...], ...]
-    chosen: tuple[tuple[tuple[bool, ...], ...], ...]
-
-
-class TriggerSeries(NamedTuple):
-    """Elastic-Cache's trigger: ``steps`` with a sparse update; ``similarity[i][layer]`` the tracked keys'
-    attention similarity at ``steps[i]``; ``trigger[i]`` the first triggered layer (None: no recompute)."""
-
-    steps: tuple[int, ...]
-    similarity: tuple[tuple[float, ...], ...]
-    trigger: tuple[int | None, ...]
-
-
 class CostSeries(NamedTuple):
     """Per step: ``layer_rows`` rows through a layer's MLP (summed over layers), ``weight_bytes``, ``proxy_rows``
     query-only rows, ``kv_bytes``."""
@@ -110,49 +89,10 @@ def refresh_grid(steps: Sequence[StepTrace], n_layers: int, length: int) -> Refr
     return RefreshGrid(computed, refreshed, length)
 
 
-def drift_series(steps: Sequence[StepTrace], n_layers: int) -> DriftSeries | None:
-    """The :class:`DriftSeries`, or None when no step recorded cluster drifts."""
-    update = [s for s in steps if s.clusters]
-    if not update:
-        return None
-    layers = tuple(layer for layer in range(n_layers) if all(layer in s.clusters for s in update))
-    drift = tuple(tuple(s.clusters[layer].drift for s in update) for layer in layers)
-    chosen = tuple(tuple(s.clusters[layer].chosen for s in update) for layer in layers)
-    return DriftSeries(tuple(s.step for s in update), tuple(s.block for s in update), layers, drift, chosen)
-
-
-def trigger_series(steps: Sequence[StepTrace], n_layers: int) -> TriggerSeries | None:
-    """The :class:`TriggerSeries`, or None when no step recorded an Elastic-Cache trigger."""
-    update = [s for s in steps if s.similarity]
-    if not update:
-        return None
-    return TriggerSeries(tuple(s.step for s in update),
-                         tuple(tuple(s.similarity[layer] for layer in range(n_layers)) for s in update),
-                         tuple(s.trigger_layer for s in update))
-
-
 def cost_series(steps: Sequence[StepTrace]) -> CostSeries:
     """The :class:`CostSeries` of the steps."""
     return CostSeries(tuple(s.layer_rows for s in steps), tuple(s.weight_bytes for s in steps),
                       tuple(s.proxy_rows for s in steps), tuple(s.kv_bytes for s in steps))
-
-
-def drift_metric(stages: dict[str, str]) -> str:
-    """What the cluster drifts of a policy with ``stages`` measure, for the drift figure's title and colour scale:
-    its ``drift`` stage and the first sentence of that stage's docstring, e.g. ``drift=kl: KL(cur ‖ prev) per
-    head, averaged over heads (Polestar's drift)`` (``cur``: a cluster's proxy attention at this sparse update,
-    ``prev``: at the previous one); just ``drift=NAME`` when the stage has no docstring."""
-    from polestar import registry
-
-    name = stages.get("drift")
-    if name is None:
-        return "drift"
-    try:
-        doc = registry.lookup("drift", name).__doc__ or ""
-    except (KeyError, ValueError):
-        doc = ""
-    first = " ".join(doc.split()).replace("``", "").split(". ")[0].rstrip(".")
-    return f"drift={name}: {first}" if first else f"drift={name}"
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -167,28 +107,28 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 class PolicyFigures(NamedTuple):
     """Every figure's data for one policy: ``policy`` its name, ``stages`` its stage names, ``tokens`` the whole
     sequence after decoding, ``labels`` a short label per column (its final token), ``text`` the decoded
-    generation, ``nfe`` steps taken."""
+    generation, ``nfe`` steps taken, ``stage_figures`` the stages' figure data by figure key
+    (:class:`~polestar.tracing.stage_figure.FigureData`; only those with something to draw)."""
 
     policy: str
     stages: dict[str, str]
     commit: CommitGrid
     refresh: RefreshGrid
-    drift: DriftSeries | None
-    trigger: TriggerSeries | None
     cost: CostSeries
     tokens: tuple[int, ...]
     labels: tuple[str, ...]
     text: str
     nfe: int
+    stage_figures: dict[str, Any]
 
 
 def policy_figures(policy: str, stages: dict[str, str], steps: Sequence[StepTrace], prompt_len: int,
                    block_length: int, final: Sequence[int], labels: Sequence[str], text: str,
-                   n_layers: int) -> PolicyFigures:
+                   n_layers: int, figures: Sequence[StageFigure] = ()) -> PolicyFigures:
     """Every figure's data for one policy's decode (``final``: the whole sequence's tokens, ``labels`` one short
-    label per column)."""
+    label per column; ``figures``: the stages' figures)."""
     length = len(final)
+    made = {figure.key: figure.series(steps, n_layers, dict(stages)) for figure in figures}
     return PolicyFigures(policy, dict(stages), commit_grid(steps, prompt_len, length, block_length, final),
-                         refresh_grid(steps, n_layers, length), drift_series(steps, n_layers),
-                         trigger_series(steps, n_layers), cost_series(steps), tuple(final), tuple(labels), text,
-                         len(steps))
+                         refresh_grid(steps, n_layers, length), cost_series(steps), tuple(final), tuple(labels), text,
+                         len(steps), {key: data for key, data in made.items() if data is not None})

@@ -5,10 +5,9 @@ The page sets ``data-ready="1"`` on ``<body>`` once its script has run (a headle
 
 from __future__ import annotations
 
-import math
 from html import escape
 
-from .figures import CommitGrid, CostSeries, DriftSeries, RefreshGrid, TriggerSeries, drift_metric
+from .figures import CommitGrid, CostSeries, RefreshGrid
 from .record import ORIGINS
 
 #: fill colour per commit origin (also used by the PNG figures)
@@ -49,8 +48,9 @@ def _info(text: str) -> str:
     return f'data-info="{escape(text)}"'
 
 
-def _rect(x: float, y: float, w: float, h: float, fill: str, info: str | None = None, opacity: float = 1.0,
-          stroke: str | None = None) -> str:
+def svg_rect(x: float, y: float, w: float, h: float, fill: str, info: str | None = None, opacity: float = 1.0,
+             stroke: str | None = None) -> str:
+    """An SVG ``<rect>``; ``info``: the text the page's status line shows when the pointer is over it."""
     extra = f' fill-opacity="{opacity:.2f}"' if opacity < 1 else ""
     extra += f' stroke="{stroke}" stroke-width="1.5"' if stroke else ""
     attr = f" {_info(info)}" if info else ""
@@ -58,14 +58,16 @@ def _rect(x: float, y: float, w: float, h: float, fill: str, info: str | None = 
     return f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}"{extra}{attr}>{title}</rect>'
 
 
-def _text(x: float, y: float, s: str, size: int = 11, anchor: str = "middle", fill: str = "#212529",
-          rotate: bool = False) -> str:
+def svg_text(x: float, y: float, s: str, size: int = 11, anchor: str = "middle", fill: str = "#212529",
+             rotate: bool = False) -> str:
+    """An SVG ``<text>`` at ``(x, y)``."""
     turn = f' transform="rotate(-90 {x:.1f} {y:.1f})"' if rotate else ""
     return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" fill="{fill}"{turn}>'
             f"{escape(s)}</text>")
 
 
-def _svg(width: float, height: float, body: list[str]) -> str:
+def svg_figure(width: float, height: float, body: list[str]) -> str:
+    """An inline ``<svg>`` of ``width`` × ``height`` holding the elements ``body``."""
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
             f'viewBox="0 0 {width:.0f} {height:.0f}">' + "".join(body) + "</svg>")
 
@@ -79,14 +81,14 @@ def commit_svg(grid: CommitGrid, labels: tuple[str, ...], diff: int | None) -> s
     def x(pos: int) -> float:
         return LEFT + (pos - grid.start) * CELL
 
-    body = [_text(LEFT - 8, TOP + i * ROW + 12, f"{i}", 10, "end") for i in range(grid.n_steps)]
-    body.append(_text(12, TOP + grid.n_steps * ROW / 2, "step", 11, "middle", rotate=True))
+    body = [svg_text(LEFT - 8, TOP + i * ROW + 12, f"{i}", 10, "end") for i in range(grid.n_steps)]
+    body.append(svg_text(12, TOP + grid.n_steps * ROW / 2, "step", 11, "middle", rotate=True))
     for b, start in enumerate(grid.block_starts):
         body.append(f'<line x1="{x(start):.1f}" y1="{TOP - 14}" x2="{x(start):.1f}" y2="{height - 4}" '
                     'stroke="#495057" stroke-width="1"/>')
-        body.append(_text(x(start) + 3, TOP - 4, f"block {b}", 10, "start"))
+        body.append(svg_text(x(start) + 3, TOP - 4, f"block {b}", 10, "start"))
     for pos, step in grid.waiting:
-        body.append(_rect(x(pos), TOP + step * ROW, CELL - 1, ROW - 1, WAITING_COLOR,
+        body.append(svg_rect(x(pos), TOP + step * ROW, CELL - 1, ROW - 1, WAITING_COLOR,
                           f"position {pos} · step {step} · masked, not committed"))
     for c in grid.cells:
         conf = "-" if c.confidence is None else f"{c.confidence:.3f}"
@@ -94,18 +96,18 @@ def commit_svg(grid: CommitGrid, labels: tuple[str, ...], diff: int | None) -> s
                f"token {labels[c.position]!r}"
         opacity = 1.0 if c.confidence is None else 0.35 + 0.65 * c.confidence
         y = TOP + c.step * ROW
-        body.append(_rect(x(c.position), y, CELL - 1, ROW - 1, ORIGIN_COLORS[c.origin], info, opacity))
+        body.append(svg_rect(x(c.position), y, CELL - 1, ROW - 1, ORIGIN_COLORS[c.origin], info, opacity))
         if c.confidence is not None:
-            body.append(_text(x(c.position) + CELL / 2, y + 11, f"{min(int(c.confidence * 100), 99):02d}", 8,
+            body.append(svg_text(x(c.position) + CELL / 2, y + 11, f"{min(int(c.confidence * 100), 99):02d}", 8,
                               fill="#ffffff"))
     base = TOP + grid.n_steps * ROW + 16
-    body.append(_text(LEFT - 8, base, "final", 10, "end"))
+    body.append(svg_text(LEFT - 8, base, "final", 10, "end"))
     for pos in range(grid.start, grid.end):
-        body.append(_text(x(pos) + CELL / 2, base, labels[pos][:2], 12))
+        body.append(svg_text(x(pos) + CELL / 2, base, labels[pos][:2], 12))
     if diff is not None:
-        body.append(_rect(x(diff), TOP - 2, CELL - 1, height - TOP - 2, "none", f"first difference: position {diff}",
+        body.append(svg_rect(x(diff), TOP - 2, CELL - 1, height - TOP - 2, "none", f"first difference: position {diff}",
                           stroke=DIFF_COLOR))
-    return _svg(width, height, body)
+    return svg_figure(width, height, body)
 
 
 def _runs(cols: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -124,76 +126,21 @@ def refresh_svg(grid: RefreshGrid, layer: int, prompt_len: int) -> str:
     cell, row = 6, 8
     n_steps = len(grid.computed[layer])
     width, height = LEFT + grid.length * cell + 10, 16 + n_steps * row + 6
-    body = [_text(LEFT - 8, 16 + i * row + 7, f"{i}", 8, "end") for i in range(0, n_steps, 2)]
+    body = [svg_text(LEFT - 8, 16 + i * row + 7, f"{i}", 8, "end") for i in range(0, n_steps, 2)]
     for step in range(n_steps):
         y = 16 + step * row
         for first, n in _runs(grid.computed[layer][step]):
-            body.append(_rect(LEFT + first * cell, y, n * cell, row - 1, COMPUTED_COLOR,
+            body.append(svg_rect(LEFT + first * cell, y, n * cell, row - 1, COMPUTED_COLOR,
                               f"layer {layer} · step {step} · plan recomputed columns {first}-{first + n - 1}"))
         for first, n in _runs(grid.refreshed[layer][step]):
-            body.append(_rect(LEFT + first * cell, y, n * cell, row - 1, REFRESHED_COLOR,
+            body.append(svg_rect(LEFT + first * cell, y, n * cell, row - 1, REFRESHED_COLOR,
                               f"layer {layer} · step {step} · sparse update recomputed columns "
                               f"{first}-{first + n - 1}"))
     xp = LEFT + prompt_len * cell
     body.append(f'<line x1="{xp}" y1="4" x2="{xp}" y2="{height}" stroke="#495057" stroke-dasharray="3 2"/>')
-    body.append(_text(xp - 3, 11, "prompt | generation", 9, "middle"))
-    body.append(_text(4, 16 + n_steps * row / 2, f"layer {layer}", 10, "start"))
-    return _svg(width, height, body)
-
-
-def _drift_color(value: float, lo: float, hi: float) -> str:
-    """Log-scaled white → dark red."""
-    t = 0.0 if hi <= lo else (math.log10(max(value, 1e-12)) - lo) / (hi - lo)
-    t = min(max(t, 0.0), 1.0)
-    r, g, b = 255 - int(t * 90), 255 - int(t * 220), 255 - int(t * 220)
-    return f"rgb({r},{g},{b})"
-
-
-def drift_svg(series: DriftSeries, j: int) -> str:
-    """Cluster × update-step heatmap of the drifts of layer ``series.layers[j]`` (log colour), chosen clusters
-    dotted, a line where a new block re-forms the clusters."""
-    layer = series.layers[j]
-    values = [d for layer_d in series.drift for step in layer_d for d in step if d > 0]
-    lo = math.log10(min(values)) if values else 0.0
-    hi = math.log10(max(values)) if values else 1.0
-    k = len(series.drift[j][0])
-    cell, row = 22, 14
-    width, height = LEFT + len(series.steps) * cell + 10, 18 + k * row + 22
-    body = [_text(LEFT - 8, 18 + c * row + 10, f"c{c}", 9, "end") for c in range(k)]
-    for i, step in enumerate(series.steps):
-        body.append(_text(LEFT + i * cell + cell / 2, 18 + k * row + 14, str(step), 9))
-        for c, (d, chosen) in enumerate(zip(series.drift[j][i], series.chosen[j][i])):
-            body.append(_rect(LEFT + i * cell, 18 + c * row, cell - 1, row - 1, _drift_color(d, lo, hi),
-                              f"layer {layer} · step {step} · cluster {c} · drift {d:.4g}"
-                              + (" · chosen" if chosen else "")))
-            if chosen:
-                body.append(f'<circle cx="{LEFT + i * cell + cell / 2 - 0.5:.1f}" '
-                            f'cy="{18 + c * row + row / 2 - 0.5:.1f}" '
-                            f'r="3" fill="{POLICY_COLORS[0]}" stroke="#ffffff" stroke-width="1"/>')
-        if i and series.blocks[i] != series.blocks[i - 1]:
-            xb = LEFT + i * cell - 0.5
-            body.append(f'<line x1="{xb:.1f}" y1="14" x2="{xb:.1f}" y2="{18 + k * row + 2}" stroke="#212529" '
-                        'stroke-width="1.5"/>')
-    body.append(_text(4, 12, f"layer {layer}", 10, "start"))
-    return _svg(width, height, body)
-
-
-def trigger_svg(series: TriggerSeries, n_layers: int) -> str:
-    """Layer × step heatmap of Elastic-Cache's attention similarity, the trigger layer outlined."""
-    cell, row = 22, 16
-    width, height = LEFT + len(series.steps) * cell + 10, 8 + n_layers * row + 22
-    body = [_text(LEFT - 8, 8 + layer * row + 12, f"layer {layer}", 9, "end") for layer in range(n_layers)]
-    for i, step in enumerate(series.steps):
-        body.append(_text(LEFT + i * cell + cell / 2, 8 + n_layers * row + 14, str(step), 9))
-        for layer in range(n_layers):
-            sim = series.similarity[i][layer]
-            shade = int(255 * min(max(sim, 0.0), 1.0))
-            trig = series.trigger[i] == layer
-            body.append(_rect(LEFT + i * cell, 8 + layer * row, cell - 1, row - 1, f"rgb(255,{shade},{shade})",
-                              f"step {step} · layer {layer} · similarity {sim:.3f}"
-                              + (" · trigger layer" if trig else ""),
-                              stroke="#212529" if trig else None))
-    return _svg(width, height, body)
+    body.append(svg_text(xp - 3, 11, "prompt | generation", 9, "middle"))
+    body.append(svg_text(4, 16 + n_steps * row / 2, f"layer {layer}", 10, "start"))
+    return svg_figure(width, height, body)
 
 
 def cost_svg(costs: list[CostSeries], names: list[str], field: str, unit: float, label: str) -> str:
@@ -203,16 +150,16 @@ def cost_svg(costs: list[CostSeries], names: list[str], field: str, unit: float,
     top = max(max(s, default=0) for s in series) / unit or 1.0
     group, plot_h = 8 * len(series) + 4, 90
     width, height = max(LEFT + n * group + 10, LEFT + 7 * len(label)), plot_h + 40
-    body = [_text(LEFT - 6, 14, f"{top:.3g}", 9, "end"), _text(LEFT - 6, plot_h + 10, "0", 9, "end"),
-            _text(LEFT, plot_h + 36, label, 11, "start")]
+    body = [svg_text(LEFT - 6, 14, f"{top:.3g}", 9, "end"), svg_text(LEFT - 6, plot_h + 10, "0", 9, "end"),
+            svg_text(LEFT, plot_h + 36, label, 11, "start")]
     for p, (s, color) in enumerate(zip(series, POLICY_COLORS)):
         for step, v in enumerate(s):
             h = plot_h * (v / unit) / top
-            body.append(_rect(LEFT + step * group + p * 8, 10 + plot_h - h, 7, h, color,
+            body.append(svg_rect(LEFT + step * group + p * 8, 10 + plot_h - h, 7, h, color,
                               f"{names[p]} · step {step} · {label}: {v / unit:.4g}"))
     for step in range(0, n, 5):
-        body.append(_text(LEFT + step * group + group / 2, plot_h + 22, str(step), 9))
-    return _svg(width, height, body)
+        body.append(svg_text(LEFT + step * group + group / 2, plot_h + 22, str(step), 9))
+    return svg_figure(width, height, body)
 
 
 def _legend(items: list[tuple[str, str]]) -> str:
@@ -249,20 +196,9 @@ def render_html(trace) -> str:
     for f in figs:
         parts.append(f"<h3>{escape(f.policy)}</h3>")
         parts += [refresh_svg(f.refresh, layer, trace.prompt_len) for layer in range(trace.n_layers)]
-    for f in figs:
-        if f.drift is not None:
-            metric = drift_metric(f.stages)
-            parts.append(f"<h2>Cluster drift per layer ({escape(f.policy)}, {escape(metric.split(':')[0])})</h2>")
-            parts.append(f'<p class="note">Drift metric: {escape(metric)}, where cur is a cluster\'s proxy attention '
-                         "at this sparse update and prev at the previous one. Rows: clusters of the local window "
-                         "(re-formed at each block start); columns: sparse-update steps, a line where a new block "
-                         "starts; colour: drift (log scale); dot: clusters whose members were recomputed.</p>")
-            parts += [drift_svg(f.drift, j) for j in range(len(f.drift.layers))]
-        if f.trigger is not None:
-            parts.append(f"<h2>Trigger layer ({escape(f.policy)})</h2>")
-            parts.append('<p class="note">Colour: similarity of the tracked keys\' attention with the previous '
-                         "step (white = 1); outlined: the layer from which the step recomputed everything.</p>")
-            parts.append(trigger_svg(f.trigger, trace.n_layers))
+    for f in figs:  # the stages' own figures (Polestar-Cache's cluster drift, Elastic-Cache's trigger, ...)
+        for data in f.stage_figures.values():
+            parts += data.html(f, trace)
     parts.append("<h2>Cost per step</h2>")
     parts.append(_legend(list(zip(POLICY_COLORS, names))))
     costs = [f.cost for f in figs]

@@ -3,8 +3,8 @@
 * ``commits.png`` — the commit grids of the policies, one above the other, with the final tokens and the first
   difference;
 * ``recompute-<policy>.png`` — per layer, the plan's columns and the sparse updates' members per step;
-* ``drift-<policy>.png`` — Polestar-Cache's cluster drift per layer (policies with a drift-aware refresh);
-* ``trigger-<policy>.png`` — Elastic-Cache's attention similarity per layer and its trigger layer;
+* the stages' own figures (``drift-<policy>.png``: Polestar-Cache's cluster drift per layer;
+  ``trigger-<policy>.png``: Elastic-Cache's attention similarity per layer and its trigger layer);
 * ``cost.png`` — rows computed, weight bytes and proxy rows per step, the policies side by side.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .figures import drift_metric
 from .html import (
     COMPUTED_COLOR,
     DIFF_COLOR,
@@ -36,18 +35,21 @@ def check_backend() -> None:
                          "alone (png=False, --no-png)") from None
 
 
-def _figure(width: float, height: float):
+def new_figure(width: float, height: float):
+    """A matplotlib figure of ``width`` × ``height`` inches (constrained layout, the trace's DPI)."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Save ``fig`` as a PNG at ``path``; returns ``path``."""
     fig.savefig(path, dpi=DPI)
     return path
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
+    """A policy name as a file-name part."""
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
 
@@ -59,7 +61,7 @@ def commits_png(trace, path: Path) -> Path:
     grid0 = figs[0].commit
     cols = grid0.end - grid0.start
     heights = [f.commit.n_steps + 2.5 for f in figs]
-    fig = _figure(max(6.0, 0.2 * cols + 1.4), 0.2 * sum(heights) + 1.6)
+    fig = new_figure(max(6.0, 0.2 * cols + 1.4), 0.2 * sum(heights) + 1.6)
     axes = fig.subplots(len(figs), 1, squeeze=False, height_ratios=heights)[:, 0]
     for ax, f in zip(axes, figs):
         grid = f.commit
@@ -95,7 +97,7 @@ def commits_png(trace, path: Path) -> Path:
     if trace.first_difference is not None:
         handles.append(Patch(fill=False, ec=DIFF_COLOR, label="first difference"))
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def recompute_png(trace, f, path: Path) -> Path:
@@ -107,7 +109,7 @@ def recompute_png(trace, f, path: Path) -> Path:
     grid, n_layers = f.refresh, trace.n_layers
     n_steps = len(grid.computed[0])
     cmap = ListedColormap(["#ffffff", COMPUTED_COLOR, REFRESHED_COLOR])
-    fig = _figure(max(6.0, 0.075 * grid.length + 1.6), 0.09 * n_steps * n_layers + 0.5 * n_layers + 1.0)
+    fig = new_figure(max(6.0, 0.075 * grid.length + 1.6), 0.09 * n_steps * n_layers + 0.5 * n_layers + 1.0)
     axes = fig.subplots(n_layers, 1, squeeze=False, sharex=True)[:, 0]
     for layer, ax in enumerate(axes):
         codes = np.zeros((n_steps, grid.length), dtype=np.int8)
@@ -123,71 +125,14 @@ def recompute_png(trace, f, path: Path) -> Path:
     fig.legend(handles=[Patch(color=COMPUTED_COLOR, label="the step's plan"),
                         Patch(color=REFRESHED_COLOR, label="sparse update's members")],
                loc="outside lower center", ncol=2, fontsize=7, frameon=False)
-    return _save(fig, path)
-
-
-def drift_png(trace, f, path: Path) -> Path:
-    """``drift-<policy>.png`` (see the module docstring)."""
-    import numpy as np
-    from matplotlib.colors import LogNorm
-
-    series = f.drift
-    n_layers = len(series.layers)
-    k = len(series.drift[0][0])
-    values = np.array(series.drift, dtype=float)  # [layers, S, K]
-    positive = values[values > 0]
-    norm = LogNorm(positive.min() if positive.size else 1e-6, positive.max() if positive.size else 1.0)
-    n = len(series.steps)
-    fig = _figure(max(6.0, 0.32 * n + 2.2), (0.16 * k + 0.45) * n_layers + 0.8)
-    axes = fig.subplots(n_layers, 1, squeeze=False, sharex=True)[:, 0]
-    image = None
-    for j, ax in enumerate(axes):
-        layer = series.layers[j]
-        image = ax.imshow(np.maximum(values[j].T, norm.vmin), aspect="auto", cmap="Reds", norm=norm)
-        chosen = [(i, c) for i in range(n) for c in range(k) if series.chosen[j][i][c]]
-        ax.scatter([i for i, _ in chosen], [c for _, c in chosen], marker="o", s=10, color="#1c7ed6",
-                   edgecolors="white", linewidths=0.6)
-        for i in range(1, n):
-            if series.blocks[i] != series.blocks[i - 1]:
-                ax.axvline(i - 0.5, color="#212529", lw=1.2)
-        ax.set_yticks(range(k), [f"c{c}" for c in range(k)], fontsize=6)
-        ax.set_ylabel(f"layer {layer}", fontsize=7)
-    axes[-1].set_xticks(range(n), [str(s) for s in series.steps], fontsize=7)
-    axes[-1].set_xlabel("sparse-update step (line: new block, new clusters; dot: recomputed)", fontsize=8)
-    metric = drift_metric(f.stages)
-    axes[0].set_title(f"{f.policy}: cluster drift per layer\n{metric}\n(cur: a cluster's proxy attention at this "
-                      "sparse update, prev: at the previous one)", fontsize=8, loc="left")
-    fig.colorbar(image, ax=list(axes), label=f"{metric.split(':')[0]} (log scale)", shrink=0.8)
-    return _save(fig, path)
-
-
-def trigger_png(trace, f, path: Path) -> Path:
-    """``trigger-<policy>.png`` (see the module docstring)."""
-    import numpy as np
-
-    series, n_layers = f.trigger, trace.n_layers
-    n = len(series.steps)
-    fig = _figure(max(6.0, 0.32 * n + 2.2), 0.3 * n_layers + 1.6)
-    ax = fig.subplots()
-    image = ax.imshow(np.array(series.similarity, dtype=float).T, aspect="auto", cmap="Reds_r", vmin=0.0, vmax=1.0)
-    hit = [(i, layer) for i, layer in enumerate(series.trigger) if layer is not None]
-    if hit:
-        ax.scatter([i for i, _ in hit], [layer for _, layer in hit], marker="x", color="#212529", s=24,
-                   label="trigger layer (recomputed from here up)")
-        ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.22), fontsize=7, frameon=False)
-    ax.set_yticks(range(n_layers), [f"layer {layer}" for layer in range(n_layers)], fontsize=7)
-    ax.set_xticks(range(n), [str(s) for s in series.steps], fontsize=7)
-    ax.set_xlabel("step", fontsize=8)
-    ax.set_title(f"{f.policy}: tracked-attention similarity and trigger layer", fontsize=9, loc="left")
-    fig.colorbar(image, ax=ax, label="cosine similarity")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def cost_png(trace, path: Path) -> Path:
     """``cost.png`` (see the module docstring)."""
     figs = trace.figures
     n = max(len(f.cost.layer_rows) for f in figs)
-    fig = _figure(max(6.0, 0.22 * n * len(figs) + 1.5), 5.2)
+    fig = new_figure(max(6.0, 0.22 * n * len(figs) + 1.5), 5.2)
     axes = fig.subplots(3, 1, sharex=True)
     width = 0.8 / len(figs)
     for ax, (field, unit, label) in zip(axes, (("layer_rows", 1, "rows computed"), ("weight_bytes", 1e6, "weight MB"),
@@ -200,7 +145,7 @@ def cost_png(trace, path: Path) -> Path:
         ax.tick_params(labelsize=7)
     axes[0].legend(fontsize=7, frameon=False, ncol=len(figs), loc="lower left", bbox_to_anchor=(0.0, 1.0))
     axes[-1].set_xlabel("step", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_pngs(trace, out: Path) -> list[Path]:
@@ -208,11 +153,8 @@ def write_pngs(trace, out: Path) -> list[Path]:
     check_backend()
     paths = [commits_png(trace, out / "commits.png")]
     for f in trace.figures:
-        slug = _slug(f.policy)
-        paths.append(recompute_png(trace, f, out / f"recompute-{slug}.png"))
-        if f.drift is not None:
-            paths.append(drift_png(trace, f, out / f"drift-{slug}.png"))
-        if f.trigger is not None:
-            paths.append(trigger_png(trace, f, out / f"trigger-{slug}.png"))
+        paths.append(recompute_png(trace, f, out / f"recompute-{slug(f.policy)}.png"))
+        for data in f.stage_figures.values():  # the stages' own figures
+            paths += data.png(f, trace, out)
     paths.append(cost_png(trace, out / "cost.png"))
     return paths

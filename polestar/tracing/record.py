@@ -16,11 +16,14 @@ Commit origins, in the order a committed position is classified (see :data:`ORIG
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from polestar.state import StepRecord
+
+from .stage_figure import StageFigure
 
 #: commit origins, in classification order (see the module docstring)
 ORIGINS = ("suffix", "early", "forced", "confident", "rule", "eos")
@@ -36,14 +39,6 @@ class Commit(NamedTuple):
     confidence: float | None
 
 
-class ClusterTrace(NamedTuple):
-    """Polestar-Cache's clusters at one layer of one sparse update: per cluster its ``drift`` and whether its
-    members were ``chosen`` for recompute (the members themselves are in ``StepTrace.refreshed``)."""
-
-    drift: tuple[float, ...]
-    chosen: tuple[bool, ...]
-
-
 class StepTrace(NamedTuple):
     """One decoding step of the traced prompt, as plain values.
 
@@ -51,10 +46,9 @@ class StepTrace(NamedTuple):
     ``block_start``/``block_end``: the block's columns; ``active``: the row decoded at this step; ``masked``: the
     block's masked columns before the commit; ``commits``: this step's :class:`Commit` s, by position;
     ``computed``: per layer, the columns the layer recomputed (the plan's, or the plan rows a feature-caching
-    hook restricted the layer to); ``refreshed``: layer → columns a sparse
-    update recomputed (members); ``clusters``: layer → :class:`ClusterTrace`; ``similarity``/``triggered``: layer →
-    Elastic-Cache's attention similarity and whether the row had triggered at or below it; ``weight_bytes``,
-    ``kv_bytes``, ``layer_rows``, ``proxy_rows``: the step's cost counters."""
+    hook restricted the layer to); ``refreshed``: layer → columns a sparse update recomputed (members);
+    ``weight_bytes``, ``kv_bytes``, ``layer_rows``, ``proxy_rows``: the step's cost counters; ``stages``: each stage
+    figure's values of this step, by the figure's key (:meth:`~polestar.tracing.stage_figure.StageFigure.read`)."""
 
     step: int
     block: int
@@ -66,18 +60,11 @@ class StepTrace(NamedTuple):
     commits: tuple[Commit, ...]
     computed: tuple[tuple[int, ...], ...]
     refreshed: dict[int, tuple[int, ...]]
-    clusters: dict[int, ClusterTrace]
-    similarity: dict[int, float]
-    triggered: dict[int, bool]
     weight_bytes: int
     kv_bytes: int
     layer_rows: int
     proxy_rows: int
-
-    @property
-    def trigger_layer(self) -> int | None:
-        """Elastic-Cache: the first layer where the row triggered (recomputed from there upward), else None."""
-        return next((layer for layer in sorted(self.triggered) if self.triggered[layer]), None)
+    stages: dict[str, Any]
 
 
 def _positions(index: torch.Tensor, valid: torch.Tensor) -> tuple[int, ...]:
@@ -128,18 +115,22 @@ class TraceRecorder:
     """An ``on_step`` observer (:func:`polestar.generate`) that keeps a :class:`StepTrace` of row 0 per step.
 
     ``threshold``: the commit rule's τ (None for a rule without one) that splits ``confident`` from the other
-    origins; ``n_layers``: the model's layers; ``steps``: the recorded steps."""
+    origins; ``n_layers``: the model's layers; ``figures``: the stages' figures
+    (:func:`~polestar.tracing.stage_figure.figures_of`), whose values each step keeps; ``steps``: the recorded
+    steps."""
 
-    def __init__(self, threshold: float | None, n_layers: int):
-        self.threshold, self.n_layers = threshold, n_layers
+    def __init__(self, threshold: float | None, n_layers: int, figures: Sequence[StageFigure] = ()):
+        self.threshold, self.n_layers, self.figures = threshold, n_layers, tuple(figures)
         self.steps: list[StepTrace] = []
 
     def __call__(self, record: StepRecord) -> None:
-        self.steps.append(step_trace(record, self.threshold, self.n_layers))
+        self.steps.append(step_trace(record, self.threshold, self.n_layers, figures=self.figures))
 
 
-def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: int = 0) -> StepTrace:
-    """The :class:`StepTrace` of ``row`` in ``record`` (``n_layers``: the model's layers)."""
+def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: int = 0,
+               figures: Sequence[StageFigure] = ()) -> StepTrace:
+    """The :class:`StepTrace` of ``row`` in ``record`` (``n_layers``: the model's layers; ``figures``: the stage
+    figures whose values it keeps)."""
     origins = commit_origins(record, threshold, row)
     after = record.tokens_after[row].tolist()
     commits = tuple(Commit(pos, after[pos], origin, c) for pos, (origin, c) in sorted(origins.items()))
@@ -149,20 +140,17 @@ def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: 
     else:
         computed = (_positions(plan.index[row], plan.valid[row]),) * n_layers
     detail = record.detail
-    refreshed, clusters, similarity, triggered = {}, {}, {}, {}
+    refreshed, stages = {}, {}
     if detail is not None:
         computed = tuple(_positions(detail.computed[layer][0][row], detail.computed[layer][1][row])
                          if layer in detail.computed else cols for layer, cols in enumerate(computed))
         refreshed = {layer: _positions(pos[row], valid[row])
                      for layer, (pos, valid) in sorted(detail.refreshed.items())}
-        clusters = {layer: ClusterTrace(tuple(c.drift[row].tolist()), tuple(c.chosen[row].tolist()))
-                    for layer, c in sorted(detail.clusters.items())}
-        similarity = {layer: float(s[row]) for layer, s in sorted(detail.similarity.items())}
-        triggered = {layer: bool(t[row]) for layer, t in sorted(detail.triggered.items())}
+        stages = {figure.key: figure.read(detail.stages, row) for figure in figures}
     cols = region_columns(record, row)
     masked = tuple(cols[j] for j in record.masked[row].nonzero().flatten().tolist())
     cost = record.cost
     return StepTrace(record.step, record.block_index, record.block_step, record.block_start, record.block_end,
-                     bool(record.active[row]), masked, commits, computed, refreshed, clusters, similarity, triggered,
+                     bool(record.active[row]), masked, commits, computed, refreshed,
                      cost.weight_bytes if cost else 0, cost.kv_bytes if cost else 0, cost.layer_rows if cost else 0,
-                     cost.probe_rows if cost else 0)
+                     cost.probe_rows if cost else 0, stages)

@@ -15,6 +15,7 @@ from polestar.policy import assemble
 
 from .figures import PolicyFigures, first_difference, policy_figures
 from .record import TraceRecorder
+from .stage_figure import figures_of
 
 #: names of the files :func:`trace` writes into ``out`` (the PNGs are listed in :attr:`Trace.pngs`)
 HTML_NAME, JSON_NAME = "trace.html", "trace.json"
@@ -85,9 +86,10 @@ def trace(model, prompt: str | Sequence[int], policies: str | Sequence[str] = "f
           temperature: float | None = None, seed: int = 0, stop_at_eos: bool = True, chat: bool = False,
           title: str | None = None, reference: str | None = None, png: bool = True, **overrides: Any) -> Trace:
     """Decode ``prompt`` (a string, or token ids) with one policy or two, record every step (commits and their
-    origins, the plan, each sparse update's members, Polestar-Cache's cluster drifts, Elastic-Cache's trigger,
-    the step's cost counters) and, when ``out`` is given, write into that folder a self-contained HTML page
-    (``trace.html``: inline SVG, no network), the figure data (``trace.json``) and, with ``png``, PNG figures.
+    origins, the plan, each sparse update's members, the step's cost counters, and what the stages' own figures
+    read: Polestar-Cache's cluster drifts, Elastic-Cache's trigger) and, when ``out`` is given, write into that
+    folder a self-contained HTML page (``trace.html``: inline SVG, no network), the figure data (``trace.json``)
+    and, with ``png``, PNG figures.
 
     ``model``: a loaded model or a checkpoint name / directory (see :func:`polestar.load`); the decoding settings
     and ``overrides`` (stage options) are those of :func:`polestar.generate` (with two policies an option applies
@@ -106,7 +108,8 @@ def trace(model, prompt: str | Sequence[int], policies: str | Sequence[str] = "f
     prompt_len = 0
     for name in names:
         pipeline = assemble(name, options)
-        recorder = TraceRecorder(getattr(pipeline.commit.config, "threshold", None), n_layers)
+        figures_here = figures_of(pipeline)
+        recorder = TraceRecorder(getattr(pipeline.commit.config, "threshold", None), n_layers, figures_here)
         result = generate(model, [prompt], policy=pipeline, gen_length=gen_length, block_length=block_length,
                           steps=steps, temperature=temperature, seed=seed, stop_at_eos=stop_at_eos, chat=chat,
                           on_step=recorder)
@@ -115,7 +118,7 @@ def trace(model, prompt: str | Sequence[int], policies: str | Sequence[str] = "f
         text = result.texts[0] if result.texts is not None else " ".join(map(str, final[prompt_len:]))
         stages = {kind: stage.name for kind, stage in result.pipeline.stages.items()}
         figures.append(policy_figures(name, stages, recorder.steps, prompt_len, block_length, final,
-                                      [token_label(model, t) for t in final], text, n_layers))
+                                      [token_label(model, t) for t in final], text, n_layers, figures_here))
     diff = None
     if len(figures) == 2:
         at = first_difference(*(f.tokens[prompt_len:] for f in figures))
