@@ -23,7 +23,7 @@ from .policy import Pipeline
 from .schedule import transfer_counts
 from .state import DecodeState, StepClock, StepDetail, StepPhase, StepPosition, StepRandom, StepRecord
 from .stats import RunStats, SequenceStats
-from .step import Generation, StepRunner, Totals
+from .step import Generation, StepInputs, StepRunner, Totals
 
 
 @torch.inference_mode()
@@ -151,8 +151,9 @@ def start_generation(model: DiffusionLM, prompt_ids: torch.Tensor, attention_mas
         random=StepRandom(gumbel, remask), schedule=schedule,
     )
     stops = torch.tensor(stop_ids or (spec.eos_id,), dtype=torch.long, device=device)
-    gen = Generation(model, pipeline, config, state, cache, refresh.init_state(state), commit.init_state(state),
-                     Totals.zeros(B, device), stops)
+    inputs = StepInputs(state, cache, refresh.init_state(state), commit.init_state(state), Totals.zeros(B, device),
+                        stops, config)
+    gen = Generation(model, pipeline, inputs)
     refresh.begin_generation(gen.refresh_local, state, cache, model)
     commit.begin_generation(gen.commit_local, state, cache, model)
     return gen

@@ -176,28 +176,50 @@ class StepInputs:
 
 @attrs.define
 class Generation:
-    """Everything one generation's steps read and write: the model, the assembled pipeline, the decode state, the
-    preallocated cache, each stage's per-generation state object and the :class:`Totals`; ``stops [S]`` the stop
-    ids. Every tensor reachable from it but the model's is a persistent buffer (:func:`persistent_tensors`)."""
+    """One generation: the model, the assembled pipeline and the step's :class:`StepInputs` (its buffers and
+    settings, also read as ``gen.state``, ``gen.cache``, ``gen.refresh_local``, ``gen.commit_local``,
+    ``gen.totals``, ``gen.stops``, ``gen.config``). Every tensor reachable from it but the model's is a persistent
+    buffer (:func:`persistent_tensors`)."""
 
     model: DiffusionLM
     pipeline: Pipeline
-    config: GenerationConfig
-    state: DecodeState
-    cache: DecodeCache
-    refresh_local: object
-    commit_local: object
-    totals: Totals
-    stops: torch.Tensor
+    inputs: StepInputs
     pool_key: tuple | None = None
     #: the compiled steps of its phases, called by key after each phase's first (:mod:`polestar.phase_table`)
     phases: PhaseTable = attrs.field(factory=PhaseTable)
 
     @property
-    def inputs(self) -> StepInputs:
-        """The step's explicit inputs (:class:`StepInputs`): this generation's buffers and settings."""
-        return StepInputs(self.state, self.cache, self.refresh_local, self.commit_local, self.totals, self.stops,
-                          self.config)
+    def state(self) -> DecodeState:
+        return self.inputs.state
+
+    @property
+    def cache(self) -> DecodeCache:
+        return self.inputs.cache
+
+    @property
+    def refresh_local(self):
+        return self.inputs.refresh_local
+
+    @property
+    def commit_local(self):
+        return self.inputs.commit_local
+
+    @property
+    def totals(self) -> Totals:
+        return self.inputs.totals
+
+    @property
+    def stops(self) -> torch.Tensor:
+        return self.inputs.stops
+
+    @property
+    def config(self) -> GenerationConfig:
+        return self.inputs.config
+
+    @config.setter
+    def config(self, value: GenerationConfig) -> None:
+        """New decoding settings for a pooled generation reused with new prompts (its buffers stay)."""
+        self.inputs = attrs.evolve(self.inputs, config=value)
 
     def draw(self) -> None:
         """Draw this step's random numbers from the generation's generator into the state's random buffers
