@@ -10,8 +10,9 @@ replay per step.
 
 What a CUDA graph needs, by construction:
 
-* **Its inputs are the generation's persistent buffers** (:class:`Generation`: tokens, cache, stores, each stage's
-  state tensors, counters, the step counters as 0-d device tensors), allocated once per shape and reused by the
+* **Its inputs are the generation's persistent buffers**, given as one explicit structure (:class:`StepInputs`:
+  tokens, cache, stores, each stage's state tensors, counters, the step counters as 0-d device tensors; the step is
+  :func:`run_step` of the model, the pipeline and those inputs), allocated once per shape and reused by the
   next generation of that shape (:func:`polestar.engine.acquire_generation`). The step writes them in place
   (``copy_``, ``index_copy_``, ``scatter_``); no Python attribute is rebound to a tensor the step computed, so
   nothing one step returns is read after the next one ran. On CUDA every one of them is a static address
