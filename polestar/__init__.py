@@ -9,7 +9,7 @@ from .plugins import load_entry_points as _load_entry_points
 from .plugins import load_plugin
 from .policy import PolicySpec, assemble, get_policy, policy_names, register_policy
 from .registry import UnknownNameError, register
-from .tracing import Trace, trace
+from .tracing.run import Trace, trace
 
 __all__ = [
     "GenerationConfig",
