@@ -33,7 +33,7 @@ def _kept_guard_names(monkeypatch) -> list[str]:
     return kept
 
 
-@pytest.mark.parametrize("policy", ["fast-dllm", "polestar-cache"])
+@pytest.mark.parametrize("policy", ["fast-dllm", pytest.param("polestar-cache", marks=pytest.mark.slow)])
 def test_a_compiled_steps_guards_are_on_its_inputs_and_stage_options_only(policy, model, monkeypatch):
     torch._dynamo.reset()
     kept = _kept_guard_names(monkeypatch)
@@ -45,6 +45,7 @@ def test_a_compiled_steps_guards_are_on_its_inputs_and_stage_options_only(policy
     assert any(name.startswith("pipeline.stages['commit']") for name in kept)  # the stages' types and options
 
 
+@pytest.mark.slow  # compiles polestar-cache's five step graphs
 def test_new_pipelines_and_generations_of_one_composition_reuse_the_graphs():
     """``polestar-cache`` keeps its quantizer and offloader in a per-generation row store: the guards on them are
     on their types and options, so a second pipeline object (every ``generate`` call assembles one) with a new
