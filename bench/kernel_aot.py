@@ -382,6 +382,24 @@ class CompiledKernel:
     sites: list[str]
 
 
+#: the compilation knobs ``JITFunction.run`` adds to a launch's options before binding, across Triton versions
+#: (``instrumentation_mode`` in 3.6 to 3.9, ``fpsan_homomorphic_casts`` from 3.9); see :func:`run_knobs`
+RUN_KNOBS: tuple[str, ...] = ("instrumentation_mode", "fpsan_homomorphic_casts")
+
+
+def run_knobs(backend: Any) -> dict[str, Any]:
+    """The values of :data:`RUN_KNOBS` (``triton.knobs.compilation``) that ``JITFunction.run`` passes as options
+    with this Triton: each knob the installed ``triton.knobs`` has and ``backend``'s options accept (an option it
+    does not know would be refused as an unrecognised keyword). The knobs are private and change between versions,
+    so one missing on either side is left out rather than read."""
+    from triton import knobs
+
+    accepted = backend.parse_options({}).__dict__
+    missing = object()
+    values = {name: getattr(knobs.compilation, name, missing) for name in RUN_KNOBS if name in accepted}
+    return {name: value for name, value in values.items() if value is not missing}
+
+
 def specialize(launch: Launch, arch: int) -> tuple[dict, dict, dict, dict]:
     """``(signature, constexprs, attrs, options)`` of ``launch`` for ``sm_<arch>``, from Triton's own binder (what
     ``JITFunction.run`` computes before compiling on a GPU). Needs a ``triton.jit`` kernel (not interpreted)."""
@@ -397,8 +415,7 @@ def specialize(launch: Launch, arch: int) -> tuple[dict, dict, dict, dict]:
     backend = make_backend(GPUTarget("cuda", arch, 32))
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    kwargs.update(run_knobs(backend))
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)

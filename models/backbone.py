@@ -16,7 +16,7 @@ from torch import nn
 
 from polestar.kernels.proxy_attention import proxy_attention
 
-from . import layer_regions, layer_scan
+from . import layer_regions
 from .cost import CostMeter, LayerBytes
 from .hooks import CachedFeatures, LayerHook, LayerQKV
 from .layer_regions import LayerWeights
@@ -106,10 +106,9 @@ class DiffusionLM(nn.Module):
         """Store every layer tensor a pass reads in one tensor per :class:`~polestar.models.layer_regions.
         LayerWeights` field, stacked over the layers (``[n_layers, ...]``, :meth:`stacked_weights`), each layer's
         q/k/v rows together (:class:`FusedProjections`) and its gate/up rows together; the parameters are re-pointed
-        as views into them. A step that runs a run of layers as one scan (:mod:`polestar.models.layer_scan`) reads
-        the stacks; a layer's pass reads its rows. Parameters already in place are left as they are. The families
-        call it once built; moving or casting the model (``to``, ``to_empty``, ``float``) moves each stack as one
-        tensor (:meth:`_apply`), and :meth:`ensure_fused` before a decode notices parameters replaced by hand."""
+        as views into them (a layer's pass reads its rows). Parameters already in place are left as they are. The
+        families call it once built; moving or casting the model (``to``, ``to_empty``, ``float``) moves each stack as
+        one tensor (:meth:`_apply`), and :meth:`ensure_fused` before a decode notices parameters replaced by hand."""
         parts = [self.layer_parts(layer) for layer in range(self.spec.n_layers)]
         self._stacks = LayerWeights(*(_stacked_view(group, len(parts)) for group in _stack_groups(parts)))
         self._point_fused()
@@ -153,7 +152,8 @@ class DiffusionLM(nn.Module):
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the model a decoding step may read: parameters, buffers, the fused projections and the
-        stacks (as the layers take them now; see :class:`polestar.phase_table.PhaseTable`)."""
+        stacks (as the layers take them now; a captured step graph is dropped when one of them is replaced,
+        :meth:`polestar.step_graphs.StepGraphs.keep_valid`)."""
         fused = [t for f in self._fused for t in f if t is not None]
         stacks = [t for t in self._stacks if t is not None] if self._stacks is not None else []
         return [*self.parameters(), *self.buffers(), *fused, *stacks]
@@ -332,18 +332,6 @@ class DiffusionLM(nn.Module):
                 h = cache.hidden[layer].gather(1, index[..., None].expand(-1, -1, spec.d_model))
             if cache.hidden is not None and (layer == 0 or not per_layer):
                 _scatter_rows(cache.hidden[layer], index, h)
-            end = self._scan_end(layer, cache, per_layer, probe, hook)
-            if end > layer:  # a run of plain layers: one scan (a whole-step compile only), the same at any depth
-                h = self._scan_layers(layer, end, h, index, rope, cache, meter)
-                layer = end
-                continue
-            run = self._hook_run(layer, h, index, rope, cache, per_layer, probe, hook, meter)
-            if run is not None:  # a run of hooked layers, one scan of the hook's own
-                h, layer = run
-                if per_layer:  # the next layer writes the run's last outputs at that layer's slots
-                    last, valid = plan.at(layer - 1)
-                    prev_index = torch.where(valid, last, trash)
-                continue
             want_probe = probe is not None and probe.layer == layer
             h, probs = self.layer_step(layer, h, index, rope, cache, probe.rows if want_probe else None, hook, meter)
             if want_probe:
@@ -353,47 +341,6 @@ class DiffusionLM(nn.Module):
         out = self.final_norm(h)
         meter.weight(self.final_norm_weight())
         return PlanOutput(out, probe_out)
-
-    def _scan_end(self, layer: int, cache: DecodeCache, per_layer: bool, probe: AttentionProbe | None,
-                  hook: LayerHook | None) -> int:
-        """Where a run of plain layers starting at ``layer`` that a whole-step compile runs as one scan
-        (:mod:`~polestar.models.layer_scan`) ends: the probed layer or the last, when no hook touches the layers,
-        the plan's slots are the same at every layer and no layer input is stored; else ``layer`` (no scan)."""
-        if hook is not None or per_layer or cache.hidden is not None or not _scans(cache):
-            return layer
-        return self._run_end(layer, probe)
-
-    def _run_end(self, layer: int, probe: AttentionProbe | None) -> int:
-        """The layer a run from ``layer`` must end before: a later probed layer (it runs on its own), else the
-        depth."""
-        return probe.layer if probe is not None and probe.layer >= layer else self.spec.n_layers
-
-    def _hook_run(self, layer: int, h, index, rope: RopeTable, cache: DecodeCache, per_layer: bool,
-                  probe: AttentionProbe | None, hook: LayerHook | None, meter: CostMeter):
-        """``hook.whole_run`` (:class:`~polestar.models.hooks.LayerHook`) where a whole-step compile could scan the
-        layers from ``layer`` on (the cache's buffers stacked; the run ends before a probed layer), else None.
-        Where the plan is per layer, ``h`` is layer ``layer``'s input (its stored input written and gathered); the
-        hook writes and gathers the later layers' itself."""
-        if (hook is None or not hasattr(hook, "whole_run") or not _scans(cache)
-                or (cache.hidden is not None and cache.hidden_stack is None)):
-            return None
-        until = self._run_end(layer, probe)
-        return hook.whole_run(layer, h, index, rope, meter, until) if until > layer else None
-
-    def _scan_layers(self, first: int, end: int, h, index, rope: RopeTable, cache: DecodeCache,
-                     meter: CostMeter) -> torch.Tensor:
-        """Layers ``first .. end - 1`` without a hook as one scan (:func:`~polestar.models.layer_scan.
-        plain_layers`), their K/V written back into the cache's stacks, counted as :meth:`_plain_step` counts each."""
-        spec = self.spec
-        out, keys, values = layer_scan.plain_layers(
-            h, index, rope.cos, rope.sin, cache.key_valid, cache.k_stack[first:end], cache.v_stack[first:end],
-            self.stacked_weights(first, end), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
-        layer_scan.write_rows(cache.k_stack[first:end], index, keys)
-        layer_scan.write_rows(cache.v_stack[first:end], index, values)
-        n = end - first
-        meter.add(self.pass_bytes(first, end), 2 * n * cache.layer_kv_bytes,
-                  n * h.shape[0] * h.shape[1])
-        return out
 
     def embedding_weight(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -448,10 +395,6 @@ class DiffusionLM(nn.Module):
         """
         if hook is None and probe_rows is None:
             return self._plain_step(layer, h, index, rope, cache, meter), None
-        if probe_rows is None and hasattr(hook, "whole_layer"):
-            out = hook.whole_layer(layer, h, index, rope, meter)
-            if out is not None:
-                return out, None
         features = hook.features(layer, h, meter) if hasattr(hook, "features") else None
         if features is not None:
             if probe_rows is not None:
@@ -541,12 +484,6 @@ class DiffusionLM(nn.Module):
         if meter is not None:
             meter.weight(self.head_weight())
         return self.head(h)
-
-
-def _scans(cache: DecodeCache) -> bool:
-    """Whether runs of layers may be scans now: a whole-step compile is tracing, this torch has a usable scan and
-    ``cache``'s K/V are stacked."""
-    return cache.k_stack is not None and layer_scan.available() and layer_regions.in_whole_step()
 
 
 def _scatter_rows(buffer: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:

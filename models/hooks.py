@@ -9,14 +9,11 @@ the model's weights goes through the :class:`~polestar.models.layer_ops.LayerOps
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from .cost import CostMeter
-
-if TYPE_CHECKING:
-    from .layers import RopeTable
 
 
 class ExtraRows(NamedTuple):
@@ -110,23 +107,6 @@ class LayerHook(Protocol):
     def features(self, layer: int, h: torch.Tensor, meter: CostMeter) -> CachedFeatures | None:
         """The rows layer ``layer`` recomputes and its cached outputs for the others (feature caching), or None
         (default: the layer recomputes every plan row)."""
-        return None
-
-    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable,
-                    meter: CostMeter) -> torch.Tensor | None:
-        """Run layer ``layer`` for the plan rows ``h [B, C, d]`` (cache slots ``index [B, C]``, rotary factors
-        ``rope``) whole, as a region of the hook's own, writing the layer's K/V and counting on ``meter`` → the plan
-        rows' outputs ``[B, C, d]``; or None (default): the layer runs its pass with the three calls below."""
-        return None
-
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, meter: CostMeter,
-                  until: int) -> tuple[torch.Tensor, int] | None:
-        """Run layers ``layer .. end - 1`` (``end <= until``: a later layer is probed, or the last) for the plan
-        rows ``h [B, C, d]`` as one scan of the hook's own over the layer-stacked tensors
-        (:mod:`~polestar.models.layer_scan`; asked in a whole-step compile only, before :meth:`whole_layer`),
-        writing their buffers back and counting on ``meter`` → ``(outputs [B, C, d], end)``; or None (default):
-        layer ``layer`` runs on its own. With a per-layer plan, ``h`` is layer ``layer``'s input and the hook
-        writes each later layer's input into the cache's stored inputs (``hidden_stack``) and gathers it."""
         return None
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | None:

@@ -1,12 +1,12 @@
 """One decoder layer's model work as pure functions of explicit tensors, each compiled once and reused by every layer.
 
-A compiled step that ran the layers' code inline would unroll every layer into its graph (32 copies at the
-published depth, minutes of compile). Each function here is a *nested compile region*
-(``torch.compiler.nested_compile_region``): inside ``torch.compile`` the first call is traced and compiled, and the
-other layers' calls reuse it, because every per-layer difference is an argument tensor of the same shape (the
-layer's weights, its K/V cache slice) and every Python constant (head counts, the norm's epsilon) is the same at
-every layer. Outside ``torch.compile`` they are plain functions. None of them writes to its inputs (a region with
-side effects could not be reused): the K/V writes and a sparse update's hooks run between them, in the step.
+A step calls these for every layer's model work (:meth:`~polestar.models.backbone.DiffusionLM.layer_step`). With
+``compile`` on, each is compiled on its own (:func:`compiled`, ``torch.compile(fullgraph=True, dynamic=False)``) and
+the compiled function is called at every layer: every per-layer difference is an argument tensor of the same shape
+(the layer's weights, its K/V cache) and every Python constant (head counts, the norm's epsilon) is the same at every
+layer, so one compile serves the whole depth, at 2 layers or 32. None of them writes to its inputs: the K/V writes
+and a sparse update's hooks run between them, in the step (on CUDA the whole step, compiled regions included, is
+then captured as one CUDA graph per phase).
 
 Shapes: rows ``[B, X, d]``; rotary factors ``cos, sin [B, X, 1, hd]`` (:class:`~polestar.models.layers.RopeTable`);
 queries ``[B, H, Q, hd]``; cached keys and values ``[B, Hkv, T + 1, hd]``; ``key_valid [B, T + 1]`` bool.
@@ -23,14 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from .layers import RopeTable, Rotary, rms_norm
-
-
-def _identity(fn):
-    return fn
-
-
-#: ``torch.compiler.nested_compile_region`` where this torch has it; elsewhere each call is traced inline
-region = getattr(torch.compiler, "nested_compile_region", _identity)
 
 
 class LayerWeights(NamedTuple):
@@ -99,11 +91,6 @@ def cached_rows(h, rows, q, keys, values, key_valid, attn, mlp, o, o_bias, norm,
     return attn, mlp, hid + mlp
 
 
-def _scatter(t, slot, rows):
-    """``t`` with ``rows`` written at ``slot`` along dim 2 (a new tensor: what a region may do)."""
-    return t.scatter(2, slot, rows)
-
-
 def _scatter_(t, slot, rows):
     """``t`` with ``rows`` written at ``slot`` along dim 2, in place (eager glue)."""
     return t.scatter_(2, slot, rows)
@@ -143,21 +130,10 @@ def _feature_pass(qkv_fn, cached_fn, write, h, rows, kv_index, cos, sin, key_val
     return out, keys, values, attn, mlp
 
 
-def decoder_layer(*args):
-    """:func:`_layer_pass` of the plain functions, writing nothing it was given (a nested region's form)."""
-    return _layer_pass(qkv_rows, attend_mlp, _scatter, *args)
-
-
-def feature_layer(*args):
-    """:func:`_feature_pass` of the plain functions, writing nothing it was given (a nested region's form)."""
-    return _feature_pass(qkv_rows, cached_rows, _scatter, *args)
-
-
 class WritesBack:
     """A layer pass that writes the layer's buffers in place: ``fn(*args)`` returns ``(out, *buffers)``, and each
     buffer is copied into the argument at the matching position of ``written`` unless it is that argument already
-    (an in-place write). Returns ``out``. Whichever way ``fn`` runs (a nested region, which may not write its inputs;
-    region pieces around in-place writes; the plain functions), the caller sees one in-place pass."""
+    (an in-place write). Returns ``out``."""
 
     def __init__(self, fn: Callable, written: tuple[int, ...]) -> None:
         self.fn, self.written = fn, written
@@ -187,22 +163,18 @@ def project_rows(rows, norm, norm_bias, weight, bias, eps: float):
 
 class Regions(NamedTuple):
     """The functions a layer's pass calls for its model work (:meth:`~polestar.models.backbone.DiffusionLM.
-    layer_step` reads them from :func:`active`): the plain functions of this module (:data:`PLAIN`), as nested
-    compile regions (:data:`NESTED`, what a whole-step compile traces) or each compiled on its own
-    (:func:`compiled`).
-
-    ``decoder_layer`` (a layer without a hook) and ``feature_layer`` (a layer with feature caching) are whole
-    passes that write the layer's buffers in place (:class:`WritesBack`): in :data:`NESTED` each is one region (so a
-    whole-step compile traces a layer's model work once, whatever the depth), elsewhere the pieces with the K/V
-    written in place between them."""
+    layer_step` reads them from :func:`active`): the plain functions of this module (:data:`PLAIN`) or each compiled
+    on its own (:func:`compiled`). ``decoder_layer`` (a layer without a hook) and ``feature_layer`` (a layer with
+    feature caching) are whole passes made of the pieces, the K/V written in place between them
+    (:class:`WritesBack`)."""
 
     qkv_rows: Callable
     attend_mlp: Callable
     project_rows: Callable
     decoder_layer: WritesBack
     feature_layer: WritesBack
-    #: how these regions were compiled on their own (``compile(fn) -> compiled fn``), so that a stage's own regions
-    #: (:class:`StageRegion`) are compiled the same way; None where they are plain functions or nested regions
+    #: how these regions were compiled (``compile(fn) -> compiled fn``), so that a stage's own regions
+    #: (:class:`StageRegion`) are compiled the same way; None where they are the plain functions
     compile: Callable | None = None
 
 
@@ -210,27 +182,13 @@ class Regions(NamedTuple):
 PIECES = (qkv_rows, attend_mlp, project_rows, cached_rows)
 #: the plain functions (eager steps)
 PLAIN = Regions(qkv_rows, attend_mlp, project_rows, *_passes(qkv_rows, attend_mlp, cached_rows))
-#: each a nested compile region: a whole-step ``torch.compile`` compiles each once and calls it at every layer
-NESTED = Regions(region(qkv_rows), region(attend_mlp), region(project_rows),
-                 WritesBack(region(decoder_layer), _LAYER_WRITES), WritesBack(region(feature_layer), _FEATURE_WRITES))
-_ACTIVE: list[Regions] = [NESTED]
+_ACTIVE: list[Regions] = [PLAIN]
 _COMPILED: dict[tuple, Regions] = {}
 
 
 def active() -> Regions:
-    """The regions layer passes call now: those of the innermost :func:`using`, else :data:`NESTED` while
-    ``torch.compile`` traces and :data:`PLAIN` when it does not (an eager step writes the K/V in place)."""
-    regions = _ACTIVE[-1]
-    if regions is NESTED and not torch.compiler.is_compiling():
-        return PLAIN
-    return regions
-
-
-def in_whole_step() -> bool:
-    """Whether a whole-step compile is tracing the layer passes now (:data:`NESTED` active): where a hooked layer
-    runs as a region of its own, its rewritten buffers copied back (eager steps and ``compile="layers"`` write them
-    in place through the hook's calls)."""
-    return active() is NESTED
+    """The regions layer passes call now: those of the innermost :func:`using`, else :data:`PLAIN`."""
+    return _ACTIVE[-1]
 
 
 @contextlib.contextmanager
@@ -244,11 +202,9 @@ def using(regions: Regions) -> Iterator[Regions]:
 
 
 def compiled(backend: str | Callable = "inductor", options: dict | None = None) -> Regions:
-    """Every region compiled on its own (``torch.compile(fullgraph=True, dynamic=False)``), made once per process
-    and backend: a step that runs its glue eagerly and calls these compiles one layer's code once per shape,
-    whatever the depth and whatever the torch version (a whole-step compile reuses its nested regions without
-    re-tracing them only from torch 2.12). On CUDA such a step is then captured whole as a CUDA graph
-    (:class:`~polestar.step_graphs.StepGraphs`)."""
+    """Every region compiled on its own (``torch.compile(fullgraph=True, dynamic=False)``), made once per process,
+    backend and options: a step that calls these compiles one layer's code once per shape, whatever the depth. On
+    CUDA the step is then captured whole as a CUDA graph (:class:`~polestar.step_graphs.StepGraphs`)."""
     key = (backend, repr(sorted((options or {}).items())))
     regions = _COMPILED.get(key)
     if regions is None:
@@ -266,28 +222,21 @@ def compiled_with(compile: Callable) -> Regions:
 
 
 class StageRegion:
-    """A stage's own per-layer work as a region (Elastic-Cache's trigger test, ...): a pure function of explicit
-    tensors (and constants that are the same at every layer), wrapped like the model's regions, so a compiled step
-    compiles it once for every layer. Whole-step compile: a nested compile region; ``compile="layers"``: compiled on
-    its own the way the active regions were (:attr:`Regions.compile`), once per shape; eager: the plain function.
-    Use as a decorator (``@StageRegion``)."""
+    """A stage's own per-layer work as a region (Elastic-Cache's trigger test, a row store's read, ...): a pure
+    function of explicit tensors (and constants that are the same at every layer), compiled the way the active
+    regions were (:attr:`Regions.compile`, once per shape) or, with plain regions, the plain function. Use as a
+    decorator (``@StageRegion``)."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
-        self.nested = region(fn)
         self._compiled: dict[Callable, Callable] = {}
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args):
         compile = active().compile
         if compile is None:
-            return self.nested(*args)
+            return self.fn(*args)
         fn = self._compiled.get(compile)
         if fn is None:
             fn = self._compiled[compile] = compile(self.fn)
         return fn(*args)
-
-
-#: whether a whole-step compile reuses a nested region without tracing it again at every call (torch ≥ 2.12; on
-#: older versions dynamo traces each layer's call, and the compile grows with depth)
-NESTED_REGIONS_REUSED = region is not _identity and tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)

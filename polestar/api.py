@@ -210,22 +210,21 @@ def generate(
     ``overrides`` set stage options (``threshold=0.8``, ``commit.threshold=0.8``) or swap stages
     (``refresh="prefix"``); every value is validated before any work starts. ``threshold`` is the confidence
     threshold of the threshold-based commit rules; policies without one (``baseline``) ignore it, so one call
-    can sweep every policy. ``compile=True`` runs each whole step (plan, sparse update, forward, commit rule, EOS
-    bookkeeping, counters) as one ``torch.compile`` graph on a CPU with torch ≥ 2.12 (a string names another
-    ``torch.compile`` backend for it); on CUDA and on older versions it means ``compile="layers"``: each layer's
-    model work compiled once on its own, the rest of the step eager and, on CUDA, captured whole as one CUDA graph
-    per phase, a compile that does not grow with depth. Tokens are the same as eager, and the time spent compiling
+    can sweep every policy. ``compile=True`` compiles each layer's model work once (the layer regions,
+    :mod:`polestar.models.layer_regions`; a string names another ``torch.compile`` backend for them) and calls it at
+    every layer, so the compile does not grow with depth; the stages and the step's glue run as Python around them,
+    and on CUDA each step phase is captured whole as one CUDA graph and replayed (with or without ``compile``). One
+    route on every device and torch. Tokens are the same as eager, and the time spent compiling
     is reported as ``stats.compile_s`` and left out of ``stats.wall_s`` / ``stats.tps``. ``chat=True`` applies the
     checkpoint's chat template to string prompts (``system``: optional system turn). A sequence stops at EOS or at
     the chat format's end-of-turn token (``model.text_defaults.stop_ids``). ``temperature`` None takes
     ``generation_config.json``'s value, else 0. ``on_step`` receives a :class:`~polestar.state.StepRecord` after
     every step (for tests and diagnostics such as ``polestar anatomy``).
     The outputs of stages from outside the package (plugins) are checked against their kind's contract
-    (:mod:`polestar.contracts`; with ``compile=True`` in the first step of each step phase, run eagerly, and the
-    other steps compile); ``check_stages=True`` checks every stage, ``check_stages=False`` none (default: the
-    environment variable ``POLESTAR_CHECK_STAGES`` when set). Where ``compile=True`` cannot compile (a stage
-    declares ``compilable = False``, or a plugin's code does not trace) the steps run eagerly and one log line says
-    why (:mod:`polestar.compile_off`).
+    (:mod:`polestar.contracts`) in every step that runs as Python (on CUDA, the first step of each phase, before it
+    is captured); ``check_stages=True`` checks every stage, ``check_stages=False`` none (default: the environment
+    variable ``POLESTAR_CHECK_STAGES`` when set). A stage that declares ``compilable = False`` turns the CUDA-graph
+    capture off, and one log line says why (:mod:`polestar.compile_off`).
 
     ``gen_length`` / ``block_length`` None take the settings of the published checkpoint's preset when the model
     was loaded from one (recognised from its config.json, as ``polestar generate`` does), else

@@ -10,13 +10,14 @@ decide by), generates no code, runs dynamo's graph eagerly, and records per grap
 
 * the inputs it mutates and which of them are static (:attr:`GraphReport.mutated_not_static`: must be empty);
 * the int and SymInt inputs (:attr:`GraphReport.int_inputs`: must be empty);
+* the inputs that share memory at its first call (:attr:`GraphReport.aliased`: must be empty);
 
 and, with ``poison=True``, overwrites every tensor a call returned as soon as the next call has run (NaN, an
 out-of-range index, flipped booleans), as the next replay of a CUDA graph would: a decoder that still reads an
 earlier step's output then gives other tokens or fails.
 
-Use it as ``StepRunner(GraphProbe(), device, pipeline, static_addresses=True)`` (static addresses marked as on
-CUDA), or through ``polestar.testing``.
+Use it as the backend of the layer regions, ``StepRunner(GraphProbe(), device, pipeline)``, or through
+``polestar.testing``.
 
 AOT autograd's second pass (tracing the functionalized graph that inductor lowers) adds nothing to these checks and
 takes about two thirds of AOT's time; ``GraphProbe(aot_graph=True)`` runs it anyway and executes that graph instead
@@ -44,6 +45,9 @@ class GraphReport(NamedTuple):
     mutated: tuple[str, ...]
     static: tuple[str, ...]
     int_inputs: tuple[str, ...]
+    #: pairs of inputs that share memory at the graph's first call (AOT autograd then merges them into a synthetic
+    #: base, and a CUDA graph replays their writes in an order the graph did not say)
+    aliased: tuple[tuple[str, str], ...] = ()
 
     @property
     def mutated_not_static(self) -> tuple[str, ...]:
@@ -58,6 +62,9 @@ class GraphReport(NamedTuple):
             out.append(f"{self.name}: mutates inputs without a static address: {', '.join(self.mutated_not_static)}")
         if self.int_inputs:
             out.append(f"{self.name}: int inputs (one CUDA graph per value): {', '.join(self.int_inputs)}")
+        if self.aliased:
+            pairs = ", ".join(f"{a} ~ {b}" for a, b in self.aliased)
+            out.append(f"{self.name}: inputs that share memory: {pairs}")
         return out
 
 
@@ -102,7 +109,13 @@ class GraphProbe:
 
             compiled = aot_autograd(fw_compiler=inspect)(gm, example_inputs)
 
+        index = len(self.graphs) - 1
+        checked = []
+
         def run(*args):
+            if not checked:  # the graph's inputs as it is called (parameters lifted by AOT are not among them)
+                checked.append(True)
+                self.graphs[index] = self.graphs[index]._replace(aliased=_aliased(sources, args))
             out = compiled(*args)
             self.calls += 1
             if self.poison:
@@ -169,6 +182,20 @@ def _owned_outputs(out, args) -> list[torch.Tensor]:
             seen.add(_storage(t))
             owned.append(t)
     return owned
+
+
+def _aliased(names: list[str], args) -> tuple[tuple[str, str], ...]:
+    """Pairs of ``args`` (named by ``names``) that are tensors sharing one storage."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, arg in zip(names, args):
+        if isinstance(arg, torch.Tensor) and arg.untyped_storage().nbytes():
+            key = arg.untyped_storage().data_ptr()
+            if key in first:
+                pairs.append((first[key], name))
+            else:
+                first[key] = name
+    return tuple(pairs)
 
 
 def _storage(t: torch.Tensor) -> int:

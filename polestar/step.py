@@ -1,45 +1,39 @@
-"""One decoding step as one function of the generation's persistent buffers (gpt-fast's ``decode_one_token``),
-compiled whole.
+"""One decoding step as one function of the generation's persistent buffers (gpt-fast's ``decode_one_token``).
 
-:func:`decode_step` runs everything a step does: the refresh selector's plan and sparse-update hook (Polestar's
+:func:`run_step` runs everything a step does: the refresh selector's plan and sparse-update hook (Polestar's
 block-start clustering and stores included), the plan's forward with the update packet and the attention probe
 riding along, prediction, the commit rule, the engine's progress guarantee, suffix-block commits, EOS bookkeeping,
-the counters and the per-block "work left" flags the loop reads. It reads nothing back to the host, so with
-``compile=True`` it is one ``torch.compile(fullgraph=True)`` graph per step variant, and on CUDA one CUDA-graph
-replay per step.
+the counters and the per-block "work left" flags the loop reads. It reads nothing back to the host.
+
+How a step runs is one rule on every device (:class:`StepRunner`): the model work of each layer goes through the
+layer regions (:mod:`polestar.models.layer_regions`, pure functions of one layer's tensors), compiled once per shape
+with ``compile=True`` and called at every layer; on CUDA the whole step, stages and compiled regions included, is
+captured as one CUDA graph per step phase and replayed (:mod:`polestar.step_graphs`).
 
 What a CUDA graph needs, by construction:
 
 * **Its inputs are the generation's persistent buffers**, given as one explicit structure (:class:`StepInputs`:
-  tokens, cache, stores, each stage's state tensors, counters, the step counters as 0-d device tensors; the step is
-  :func:`run_step` of the model, the pipeline and those inputs), allocated once per shape and reused by the
-  next generation of that shape (:func:`polestar.engine.acquire_generation`). The step writes them in place
-  (``copy_``, ``index_copy_``, ``scatter_``); no Python attribute is rebound to a tensor the step computed, so
-  nothing one step returns is read after the next one ran. On CUDA every one of them is a static address
-  (:meth:`StepRunner.mark_static`).
+  tokens, cache, stores, each stage's state tensors, counters, the step counters as 0-d device tensors), allocated
+  once per shape and reused by the next generation of that shape (:func:`polestar.engine.acquire_generation`). The
+  step writes them in place (``copy_``, ``index_copy_``, ``scatter_``); no Python attribute is rebound to a tensor
+  the step computed, so nothing one step returns is read after the next one ran.
 * **No Python value that changes from step to step enters the step** except the :class:`~polestar.state.StepPhase`,
   which the stages derive on the host from the loop's position and which selects the step's shapes (a block start,
   a window refresh, a sparse-update step, a plain step, the last block's narrower window): one graph per phase.
   Block and step positions are device scalars (:class:`~polestar.state.StepClock`), and slices at them are index
   operations.
-* **After its first step, a phase is called by key**: the whole-step compile records the graph dynamo called and
-  the tensors it passed, and later steps of that phase call it directly (:mod:`polestar.phase_table`), so a step
-  is selected by its phase, not by evaluating guards over the generation object.
 * **The step returns only what the loop reads**: the "work left" flags (the loop's one host read) and the step's
   cost in plain ints; while an observer records, also a :class:`StepView` that the loop copies before the next step.
 
 Random numbers (Gumbel noise, random remasking, k-means seeds) are drawn before the step from the generation's
-``torch.Generator`` into preallocated buffers (:meth:`Generation.draw`), so compiled and eager decoding consume the
-same random stream.
+``torch.Generator`` into preallocated buffers (:meth:`Generation.draw`), so every route consumes the same random
+stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import types
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -53,8 +47,6 @@ from polestar.models.plan import DecodeCache, Plan
 
 from . import compile_off, contracts
 from .config import GenerationConfig
-from .device_support import fp8_compile_blocker
-from .phase_table import PhaseTable, RecordingBackend, bind_phase, recording
 from .policy import Pipeline
 from .profiling import scope
 from .state import (
@@ -186,8 +178,6 @@ class Generation:
     pipeline: Pipeline
     inputs: StepInputs
     pool_key: tuple | None = None
-    #: the compiled steps of its phases, called by key after each phase's first (:mod:`polestar.phase_table`)
-    phases: PhaseTable = attrs.field(factory=PhaseTable)
 
     @property
     def state(self) -> DecodeState:
@@ -396,208 +386,82 @@ def pipeline_checked(pipeline: Pipeline) -> bool:
     return any(contracts.is_checked(stage) for stage in pipeline.stages.values())
 
 
-#: what dynamo raises when it cannot trace code (a graph break under ``fullgraph=True``, a branch on a tensor's value,
-#: a break inside a nested compile region)
-_TRACE_REFUSALS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
-                   torch._dynamo.exc.UncapturedHigherOrderOpError)
+#: what ``compile=True`` compiles the layer regions with
+DEFAULT_BACKEND = "inductor"
 
-#: compiled steps that torch.compile refused to trace (a plugin's; see :meth:`StepRunner._run_compiled`)
-_REFUSED: weakref.WeakSet = weakref.WeakSet()
-
-#: compiled steps per model: ``{model: {(composition, backend, cuda_graphs): fn}}``
-_COMPILED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_STEP_COUNT = itertools.count()
+#: inductor options of the layer regions on a CPU: without the checks of every extern kernel's output sizes, strides
+#: and alignment (a region's shapes are static). On CUDA inductor's defaults (the step around the regions is captured
+#: as a CUDA graph by :class:`~polestar.step_graphs.StepGraphs`)
+_CPU_INDUCTOR_OPTIONS = {"size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
 
 
-def compiled_step(model: DiffusionLM, pipeline: Pipeline, backend: str | Callable, cuda_graphs: bool) -> Callable:
-    """The compiled :func:`run_step` for ``model`` and ``pipeline``'s stage composition (names and options), made
-    once per process and shared by every generation with them; called as ``fn(model, pipeline, gen.inputs)``.
-
-    Bound once: the model is the same object at every call, so the compiled step keeps no guard on it (nor on
-    module globals, the library's functions and torch's, which no caller rebinds while decoding: :func:`step_guards`).
-    Its guards are on what varies, the :class:`StepInputs` (buffers' shapes and the decoding settings) and the
-    stages' options, which are equal for every pipeline of one composition. Each binding compiles its own copy of the
-    function's code: dynamo keeps its graphs and recompile count per code object, so the graphs of one model or policy
-    never sit in the guard chain of another, and a session that runs every policy never reaches the recompile limit.
-    ``cuda_graphs``: inductor records each graph as a CUDA graph and replays it (``triton.cudagraphs``, what
-    ``mode="reduce-overhead"`` sets)."""
-    per_model = _COMPILED_STEPS.setdefault(model, {})
-    key = (repr(sorted(pipeline.describe().items())), backend, cuda_graphs)
-    fn = per_model.get(key)
-    if fn is None:
-        code = run_step.__code__.replace(co_name=f"run_step_{next(_STEP_COUNT)}")
-        step = types.FunctionType(code, run_step.__globals__, code.co_name, run_step.__defaults__,
-                                  run_step.__closure__)
-        fn = per_model[key] = torch.compile(step, fullgraph=True, backend=_recording_backend(backend, cuda_graphs),
-                                            options={"guard_filter_fn": step_guards})
-    return fn
+def region_backend(compile: bool | str | Callable) -> str | Callable | None:
+    """The ``torch.compile`` backend that a runner's ``compile`` argument compiles the layer regions with: None for
+    ``False`` (eager regions), :data:`DEFAULT_BACKEND` for ``True``, else the backend as given (a name such as
+    ``"aot_eager"``, or a backend callable such as :class:`polestar.graph_rules.GraphProbe`)."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return DEFAULT_BACKEND
+    if isinstance(compile, str) or callable(compile):
+        return compile
+    raise TypeError(f"compile must be a bool, a torch.compile backend name or a backend callable, not {compile!r}")
 
 
-def _recording_backend(backend: str | Callable, cuda_graphs: bool) -> RecordingBackend:
-    """``backend`` (a name, or a backend callable used as given) wrapped so that the first step of each phase records
-    its graph for the phase table (:mod:`polestar.phase_table`). ``"inductor"`` with the step's options: CUDA graphs
-    (``triton.cudagraphs``) or :data:`_INDUCTOR_OPTIONS`."""
-    if backend == "inductor":
-        options = {"triton.cudagraphs": True} if cuda_graphs else _INDUCTOR_OPTIONS
-        return RecordingBackend(torch._TorchCompileInductorWrapper(None, options, None))
-    if isinstance(backend, str):
-        return RecordingBackend(torch._dynamo.lookup_backend(backend), name=backend)
-    return RecordingBackend(backend)
-
-
-#: inductor options of the compiled CPU step: without the checks of every extern kernel's output sizes, strides and
-#: alignment (the step's shapes are static). Its wrapper (the code that allocates the buffers and calls the kernels)
-#: stays in Python: inductor's C++ wrapper cannot call a nested compile region, and the layer regions
-#: (:mod:`polestar.models.layer_regions`) are what keeps the compile from growing with depth (measured in the
-#: docs' performance page)
-_INDUCTOR_OPTIONS = {"size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
-
-def step_guards(entries) -> list[bool]:
-    """dynamo's ``guard_filter_fn`` of a bound step (:func:`compiled_step`), by the kind of each guard's source:
-    drop the guards on the model (an nn.Module source: the binding fixes the model) and on module globals; keep the
-    rest (the step's inputs, the stages' options)."""
-    return [not (e.is_global or e.orig_guard.source.is_unspecialized_nn_module()) for e in entries]
+def _region_options(device: torch.device, backend) -> dict | None:
+    """Inductor options of the regions: :data:`_CPU_INDUCTOR_OPTIONS` for inductor on a CPU, else None."""
+    return _CPU_INDUCTOR_OPTIONS if backend == "inductor" and device.type != "cuda" else None
 
 
 class StepRunner:
-    """Runs :func:`decode_step` eagerly or compiled, and counts how each step ran.
+    """Runs :func:`decode_step`, and counts how each step ran. One route on every device:
 
-    With ``compile=True`` every step goes through one ``torch.compile(fullgraph=True)`` function (inductor,
-    :data:`_INDUCTOR_OPTIONS`; CUDA graphs on CUDA), in which each layer's model work is a nested compile region
-    compiled once for every layer (:mod:`polestar.models.layer_regions`); a string names another
-    ``torch.compile`` backend (``"eager"`` checks that the step is captured whole without generating code, as the
-    tests do; a callable backend such as :class:`polestar.graph_rules.GraphProbe` is used as given). Graphs are one
-    per :class:`~polestar.state.StepPhase` a policy meets (a block start, a window refresh, a sparse-update step, a
-    plain step, the last block's), not one per block or step.
+    * the step is :func:`run_step`, plain Python over the generation's persistent buffers; its model work goes through
+      the layer regions (:mod:`polestar.models.layer_regions`), pure functions of one layer's tensors;
+    * ``compile`` (``True``, a backend name or a backend callable, :func:`region_backend`) compiles each region once
+      per shape with ``torch.compile(fullgraph=True, dynamic=False)`` and calls the compiled region at every layer, so
+      compile time does not grow with depth; ``False`` runs the regions as plain functions;
+    * on CUDA each step phase is captured as one CUDA graph and replayed (:class:`~polestar.step_graphs.StepGraphs`;
+      ``graphs`` overrides this, see :func:`_step_graphs`): the step's glue, the stages and the compiled regions are
+      one replay, with no Python and no launches per op. A stage that declares ``compilable = False`` (the ``cpu``
+      offloader, whose host copies cannot be captured) turns the capture off (one line says why,
+      :mod:`polestar.compile_off`); the regions still compile.
 
-    ``compile="layers"`` (what ``compile=True`` means on CUDA and on torch < 2.12, :func:`compile_mode`): each
-    layer region is
-    compiled on its own (:func:`polestar.models.layer_regions.compiled`) and the rest of the step runs eagerly,
-    replayed as one CUDA graph per phase on CUDA (:class:`~polestar.step_graphs.StepGraphs`); every step counts as
-    compiled, and every stage runs (and is checked) in the eager part.
-
-    Where a whole-step compile is asked for, three things run steps eagerly. A pipeline with a checked stage
-    (:func:`pipeline_checked`, a plugin's by default) runs the first step of each phase eagerly, where the stage's
-    contract checks read its outputs, and compiles the rest (a compiled step runs the stage unchecked). A stage that
-    declares ``compilable = False`` (:func:`pipeline_compilable`) turns compile off for every step; a pipeline with
-    a stage from outside the package that ``torch.compile`` cannot trace runs its remaining steps eagerly. Either
-    fallback logs one line saying why (:mod:`polestar.compile_off`).
-
-    After the first compiled step of each phase, a whole-step compile calls that phase's graph directly on the
-    tensors dynamo passed it (:mod:`polestar.phase_table`): the step is picked by its phase key, with no dynamo
-    frame and no guard evaluation (``keyed_steps`` counts them; a step an observer records goes through dynamo).
-
-    ``static_addresses``: mark every persistent buffer of a generation as a static address before its first step
-    (:meth:`mark_static`); default: on CUDA, where CUDA graphs need it (tests turn it on elsewhere to apply the
-    CUDA rules on a CPU). ``eager_steps`` / ``compiled_steps``: how many steps ran each way.
+    The stages always run as Python in the step (never traced by dynamo), so a stage from outside the package takes the
+    same route as a built-in one and its contract checks (:mod:`polestar.contracts`) see its outputs in every step
+    that is not a replay. ``eager_steps`` / ``compiled_steps``: steps run with plain and with compiled regions.
     """
 
-    def __init__(self, compile: bool | str | Callable, device: torch.device, pipeline: Pipeline,
-                 static_addresses: bool | None = None, graphs=None):
+    def __init__(self, compile: bool | str | Callable, device: torch.device, pipeline: Pipeline, graphs=None):
         self.device = torch.device(device)
-        compile = compile_mode(compile, self.device)
-        #: ``compile="layers"``: each layer region compiled on its own, the step's glue eager (graphs on CUDA); a
-        #: stage that cannot be compiled runs in the eager glue
-        self.regions = layer_regions.compiled(options=_region_options(self.device)) if compile == LAYERS else None
-        blocker = compile_off.declared(pipeline) if compile and self.regions is None else None
-        if blocker is not None:
-            compile_off.report(blocker)
-        self.compile = bool(compile) and blocker is None and self.regions is None
+        backend = region_backend(compile)
+        self.backend = backend
+        #: the compiled layer regions (None: plain functions)
+        self.regions = None if backend is None else layer_regions.compiled(
+            backend, options=_region_options(self.device, backend))
+        self.graphs = _step_graphs(graphs, self.device)
+        if self.graphs is not None and not pipeline_compilable(pipeline):
+            compile_off.report(compile_off.declared(pipeline))
+            self.graphs = None
         self.eager_steps = 0
         self.compiled_steps = 0
-        #: compiled steps that called their phase's recorded graph directly (:mod:`polestar.phase_table`)
-        self.keyed_steps = 0
-        #: step phases whose checked first step ran (None: no checked stage, or no compile)
-        self.checked_phases: set | None = set() if self.compile and pipeline_checked(pipeline) else None
-        self.graphs = None if self.compile or not pipeline_compilable(pipeline) else _step_graphs(graphs, self.device)
-        self._compiled = None
-        self._binding = None
         self._active = False
-        self.cuda_graphs = False
-        self.static_addresses = self.device.type == "cuda" if static_addresses is None else static_addresses
-        if self.compile:
-            self.backend = "inductor" if compile is True else compile
-            self.cuda_graphs = self.device.type == "cuda" and self.backend == "inductor"
-            if self.cuda_graphs and pipeline.describe().get("quant", {}).get("name") == "fp8":
-                blocker = fp8_compile_blocker(self.device)  # Triton has no e4m3 before sm_89
-                if blocker is not None:
-                    raise ValueError(blocker)
-            self._compiled = self._bound
 
     def begin_block(self, gen: Generation) -> None:
-        """Host-side preparation before a block's first step (a block start may allocate buffers, e.g. a new window
-        size): mark the buffers static (:meth:`mark_static`) and drop the phase-table entries and the captured graphs
-        that read a tensor the generation or the model no longer holds (:meth:`polestar.phase_table.PhaseTable.
-        keep_valid`, :meth:`polestar.step_graphs.StepGraphs.keep_valid`)."""
-        self.mark_static(gen)
-        if self.compile and gen.phases.entries:
-            gen.phases.keep_valid(step_reads(gen))
+        """Host-side preparation before a block's first step: drop the captured graphs that read a tensor the
+        generation or the model no longer holds (a block start may allocate buffers, e.g. a new window size;
+        :meth:`polestar.step_graphs.StepGraphs.keep_valid`)."""
         if self.graphs is not None:
             self.graphs.keep_valid(gen)
 
-    def mark_static(self, gen: Generation) -> None:
-        """Pin the addresses of every persistent buffer of ``gen`` (:func:`persistent_tensors`) for CUDA graphs:
-        they are written in place, never reallocated, and reused by the next generation of the same shape. Unguarded
-        (a buffer of another generation re-records the graph; it does not recompile it). Called at every block start
-        (a block may allocate buffers); buffers already marked are left as they are."""
-        if not self.compile or not self.static_addresses:
-            return
-        for t in persistent_tensors(gen):
-            if getattr(t, "_dynamo_static_input_type", None) is None:
-                torch._dynamo.mark_static_address(t, guard=False)
-
-    def _bound(self, gen: Generation) -> Callable:
-        """The compiled step bound to ``gen``'s model and pipeline (:func:`compiled_step`; looked up once per model
-        and pipeline object)."""
-        if self._binding is None or self._binding[0] is not gen.model or self._binding[1] is not gen.pipeline:
-            fn = compiled_step(gen.model, gen.pipeline, self.backend, self.cuda_graphs)
-            self._binding = (gen.model, gen.pipeline, fn)
-        return self._binding[2]
-
-    def _checks_first(self, phase: StepPhase) -> bool:
-        """Whether this step runs eagerly so that the checked stages see its outputs: the first of its phase."""
-        if self.checked_phases is None or phase in self.checked_phases:
-            return False
-        self.checked_phases.add(phase)
-        return True
-
-    def _eager(self, gen: Generation) -> StepOutput:
-        self.eager_steps += 1
-        return decode_step(gen)
-
-    def _run_compiled(self, gen: Generation) -> StepOutput | None:
-        """The compiled step, or None when ``torch.compile`` cannot trace it for a stage from outside the package
-        (:func:`compile_off.refused`): then compile is off for this runner from here on, one line says why, and
-        later runners of that binding do not try again (:data:`_REFUSED`). Dynamo stops while tracing, before the
-        step ran, so the step can run eagerly instead."""
-        fn = self._compiled(gen)
-        if fn in _REFUSED:
-            return self._compile_off()
-        try:
-            if self._active:  # inside a generation's `running()`: the settings are in place
-                return fn(gen.model, gen.pipeline, gen.inputs)
-            with self.running():
-                return fn(gen.model, gen.pipeline, gen.inputs)
-        except _TRACE_REFUSALS as err:
-            reason = compile_off.refused(gen.pipeline, err)
-            if reason is None:
-                raise
-            compile_off.report(reason)
-            _REFUSED.add(fn)
-            return self._compile_off()
-
-    def _compile_off(self) -> None:
-        self._compiled = None
-        self.compile = False
-
     @contextlib.contextmanager
     def running(self):
-        """Hold the compile settings (:func:`_compile_settings`) for a run of steps: entering them costs about as
-        much as a small compiled step, so a generation enters them once, not per step."""
-        if (self._compiled is None and self.regions is None) or self._active:
+        """Hold the compile settings (:func:`_compile_settings`) and the compiled regions for a run of steps: a
+        generation enters them once, not per step."""
+        if self.regions is None or self._active:
             yield
             return
-        with _compile_settings():
+        with _compile_settings(), layer_regions.using(self.regions):
             self._active = True
             try:
                 yield
@@ -607,58 +471,14 @@ class StepRunner:
     def __call__(self, gen: Generation, phase: StepPhase) -> StepOutput:
         gen.draw()
         gen.state.phase = phase
-        if self.regions is not None:
+        if self.regions is None:
+            self.eager_steps += 1
+        else:
             self.compiled_steps += 1
-            with self.running(), layer_regions.using(self.regions):
-                if self.graphs is not None and gen.state.detail is None:
-                    return self.graphs(gen)
-                return decode_step(gen)
-        if self._compiled is None:
-            if self.graphs is not None and gen.state.detail is None:  # an observer's step runs eagerly
+        with self.running():
+            if self.graphs is not None and gen.state.detail is None:  # an observer's step runs uncaptured
                 return self.graphs(gen)
-            return self._eager(gen)
-        if self._checks_first(phase):  # a checked stage's outputs are read in this step: it runs eagerly
-            return self._eager(gen)
-        if self.cuda_graphs:  # nothing a previous replay returned is read any more: its outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
-        key = (self._compiled(gen), phase)
-        bound = gen.phases.get(key) if gen.state.detail is None else None
-        if bound is not None:  # the phase's graph, called on the recorded buffers: no dynamo frame, no guards
-            self.compiled_steps += 1
-            self.keyed_steps += 1
-            return StepOutput(bound(), bound.cost)
-        record = gen.state.detail is None and gen.phases.wants(key)
-        with recording() if record else contextlib.nullcontext() as calls:
-            out = self._run_compiled(gen)
-        if out is None:  # torch.compile refused a plugin's step
-            return self._eager(gen)
-        if record:
-            gen.phases.record(key, bind_phase(calls, out.work, out.cost))
-        self.compiled_steps += 1
-        return out
-
-
-#: ``compile="layers"``: every layer region compiled on its own (:func:`polestar.models.layer_regions.compiled`), the
-#: rest of the step run eagerly and, on CUDA, captured whole as one CUDA graph per phase (:class:`StepGraphs`)
-LAYERS = "layers"
-
-
-def compile_mode(compile: bool | str | Callable, device: torch.device | str = "cpu") -> bool | str | Callable:
-    """What ``compile`` means on ``device`` with this torch. ``True``: :data:`LAYERS` on CUDA (the step's glue is
-    replayed inside one CUDA graph per phase, so a whole-step graph would add compile time, growing with depth,
-    for what the replay already gives) and on a torch whose whole-step compile traces every layer's region call
-    again (< 2.12, :data:`~polestar.models.layer_regions.NESTED_REGIONS_REUSED`); else a whole-step compile (on a
-    CPU nothing replays the glue: a whole-step graph runs it without Python). Anything else is returned as given
-    (``"layers"``, a backend name, a backend callable)."""
-    if compile is True and (torch.device(device).type == "cuda" or not layer_regions.NESTED_REGIONS_REUSED):
-        return LAYERS
-    return compile
-
-
-def _region_options(device: torch.device) -> dict | None:
-    """Inductor options of the regions compiled on their own: the CPU step's (:data:`_INDUCTOR_OPTIONS`); on CUDA
-    inductor's defaults (the step around them is captured as a CUDA graph by :class:`StepGraphs`)."""
-    return None if device.type == "cuda" else _INDUCTOR_OPTIONS
+            return decode_step(gen)
 
 
 def _step_graphs(graphs, device: torch.device) -> StepGraphs | None:

@@ -6,8 +6,8 @@ storage for a tuple of leaves ``[B, N, ...]`` (initialized to ``like``'s values)
 ``write_rows(stored, rows [B, M], leaves [B, M, ...])`` scatters rows in place. Rows are long indices along dim 1; a
 read or write never syncs the host with the device.
 
-``compilable``: whether ``read_rows`` / ``write_rows`` can be traced by ``torch.compile(fullgraph=True)`` (when
-False, every step of the pipeline runs eagerly: the step is compiled whole or not at all).
+``compilable``: whether ``read_rows`` / ``write_rows`` can be captured in a CUDA graph with the rest of the step
+(when False, a pipeline's steps on CUDA run as Python, uncaptured; the layer regions still compile).
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ class Offloader(Stage):
     """Where stored rows live (see the module docstring for both interfaces and every shape)."""
 
     compilable: bool = True
-    #: whether the stored rows are tensors on the compute device that :meth:`with_rows` can rewrite as a pure
-    #: function (a layer region's store writes); False: the rows are written in place by :meth:`write_rows` only
-    on_device: bool = False
 
     def alloc(self, like: tuple[torch.Tensor, ...]):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -56,11 +53,6 @@ class Offloader(Stage):
 
     def write_rows(self, stored, rows: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> None:  # pragma: no cover
         raise NotImplementedError
-
-    def with_rows(self, stored, rows: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """:meth:`write_rows` as a pure function: new leaves ``[B, N, ...]``, ``stored`` unchanged (only where
-        :attr:`on_device`)."""
-        raise NotImplementedError(f"offload stage {type(self).__name__} keeps no rows on the device to rewrite")
 
 
 def check_rows(stage, out, stored, rows: torch.Tensor, device) -> None:
@@ -109,10 +101,9 @@ OFFLOAD = register_kind(StageKind(
 @register("offload", "none")
 class NoOffload(Offloader):
     """Members stay on the compute device: ``alloc`` clones the leaves ``[B, N, ...]`` there, rows are gathered and
-    scattered in place. Traceable by ``torch.compile``."""
+    scattered in place. Capturable in a CUDA graph."""
 
     compilable = True
-    on_device = True
 
     @attrs.frozen
     class Config:
@@ -120,9 +111,6 @@ class NoOffload(Offloader):
 
     def alloc(self, like):
         return tuple(t.clone() for t in like)
-
-    def with_rows(self, stored, rows, leaves):
-        return tuple(buf.scatter(1, _row_index(rows, src), src) for buf, src in zip(stored, leaves))
 
     def read_rows(self, stored, rows, device):
         return tuple(gather_rows(t, rows) for t in stored)
@@ -186,9 +174,9 @@ class CPUOffload(Offloader):
     CUDA event and returns; the host-side scatter is applied lazily, right before the next read or write of the same
     storage, waiting on the event only then. ``read_rows`` copies the host leaves to the device (``non_blocking``)
     and gathers the rows there: the rows are chosen on the device, and reading them on the host would sync. On a
-    CPU-only machine the same path runs (CPU→CPU copies) and values equal ``none``'s. Not traceable by
-    ``torch.compile`` (``compilable = False``: host buffers, events and a lazy host-side scatter), so with
-    ``compile=True`` every step of a pipeline with this offloader runs eagerly (``RunStats.compiled_steps`` is 0).
+    CPU-only machine the same path runs (CPU→CPU copies) and values equal ``none``'s. Not capturable in a CUDA graph
+    (``compilable = False``: host buffers, events and a lazy host-side scatter), so on CUDA the steps of a pipeline
+    with this offloader run uncaptured (the layer regions still compile).
     """
 
     compilable = False

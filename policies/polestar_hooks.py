@@ -28,10 +28,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
-from polestar.models import layer_regions
 from polestar.models.hooks import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layers import RopeTable
 from polestar.models.plan import DecodeCache
 from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
@@ -129,10 +127,8 @@ class PolestarBuildHook(LayerHook):
         self.together = sel.clusters_together(state.x.device)
         #: layers clustered per clusterer call when together (all of them unless that would hold too many inputs)
         self.group = sel.layers_per_cluster_call(B, window.size, ops.spec.d_model, ops.spec.n_layers)
-        #: the window inputs kept when clustering together, in chunks of layers ``[n, B, Nw, d]`` (one per layer, or
-        #: one for a scanned run of layers)
+        #: the window inputs kept when clustering together, one ``[1, B, Nw, d]`` per layer
         self.inputs: list[torch.Tensor] = []
-        self.build = self._build_regions()
 
     def _cluster(self, hw: torch.Tensor, keys: torch.Tensor | None):
         """``hw [n, B, Nw, d]`` (``n`` layers), ``keys [n, P, m]`` (one key row per layer and part, shared by the
@@ -163,11 +159,10 @@ class PolestarBuildHook(LayerHook):
             offset += k
         return torch.cat(centroids, dim=2).to(hw.dtype), torch.cat(labels, dim=2), torch.cat(counts, dim=2)
 
-    def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None, store_rows: bool = True):
-        """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows (unless
-        not ``store_rows``: the caller does) and write their clusters into the window's buffers; → the centroids
-        ``[n, B, K, d]``, their RoPE positions ``[n, B, K]`` and each window row's anchor ``[n, B, Nw, d]`` (its
-        centroid, for a lossy store; else None)."""
+    def _record(self, first: int, hw: torch.Tensor, keys: torch.Tensor | None):
+        """Cluster layers ``first, first + 1, ...`` (window inputs ``hw [n, B, Nw, d]``), store their windows and
+        write their clusters into the window's buffers; → the centroids ``[n, B, K, d]``, their RoPE positions
+        ``[n, B, K]`` and each window row's anchor ``[n, B, Nw, d]`` (its centroid, for a lossy store; else None)."""
         local, buf = self.local, self.buffers
         centroids, labels, counts = self._cluster(hw, keys)
         if self.sel.config.proxy_rope:  # the members' mean position
@@ -180,7 +175,7 @@ class PolestarBuildHook(LayerHook):
         anchor = None
         if not buf.store.quant.lossless:  # a lossy store keeps residuals to each member's centroid
             anchor = centroids.gather(2, labels.clamp_min(0)[..., None].expand(-1, -1, -1, hw.shape[-1]))
-        for i in range(hw.shape[0] if store_rows else 0):
+        for i in range(hw.shape[0]):
             with local.side.run(*(t[i] for t in (hw, anchor) if t is not None)), scope("store"):
                 buf.store.write_all(first + i, hw[i], None if anchor is None else anchor[i])
         span = slice(first, first + hw.shape[0])  # the layers' rows of each stack (see WindowBuffers): one copy each
@@ -189,47 +184,6 @@ class PolestarBuildHook(LayerHook):
                           (stacks.centroid_pos, centroid_pos)):
             kept[span].copy_(new)
         return centroids, centroid_pos, anchor
-
-    def _build_regions(self):
-        """The block start's regions (:class:`~polestar.policies.polestar_update.BuildLayer`) where they run this
-        step's layers: clustering layers together with un-rotated centroid queries, in a whole-step compile; else
-        None (the calls below)."""
-        build = self.buffers.build
-        if build is None or not self.together or self.sel.config.proxy_rope or not layer_regions.in_whole_step():
-            return None
-        return build
-
-    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable,
-                    meter) -> torch.Tensor | None:
-        build = self.build
-        if build is None:
-            return None
-        ops = self.ops
-        out, window = build.layer(layer, h, index, rope, self.cache, ops.layer_weights(layer), self.slots, meter,
-                                  ops.layer_bytes(layer))
-        self.inputs.append(window[None])
-        if self._kept() == self.group or layer == ops.spec.n_layers - 1:  # their K/V are written
-            self._cluster_kept(layer, meter)
-        return out
-
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, meter, until: int):
-        """Layers ``0 .. until - 1`` of the block start's pass as one scan
-        (:meth:`~polestar.policies.polestar_update.BuildLayer.layers`), where the regions run this step and one
-        clusterer call takes every layer; their windows kept for it (clustered, stored and scored after the last
-        layer). None elsewhere."""
-        build, ops = self.build, self.ops
-        L = ops.spec.n_layers
-        if build is None or layer != 0 or self.group < L:
-            return None
-        done = build.layers(0, until, h, index, rope, self.cache, ops.stacked_weights(0, until), self.slots, meter,
-                            ops.pass_bytes(0, until))
-        if done is None:
-            return None
-        out, windows = done
-        self.inputs.append(windows)
-        if until == L:  # every layer's K/V are written
-            self._cluster_kept(L - 1, meter)
-        return out, until
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
         hw = h.gather(1, self.slots[..., None].expand(-1, -1, h.shape[-1]))
@@ -263,39 +217,19 @@ class PolestarBuildHook(LayerHook):
         return sum(t.shape[0] for t in self.inputs)
 
     def _cluster_kept(self, last: int, meter) -> None:
-        """Cluster the kept window inputs of layers ``.. last`` in one clusterer call, then score each layer's
-        centroid queries (a pass over the layer's q weight of their own) against its keys (where the regions run,
-        the layers scored as one scan, a last layer that is not scored stored on its own)."""
+        """Cluster the kept window inputs of layers ``.. last`` in one clusterer call (their windows stored), then
+        score each layer's centroid queries (a pass over the layer's q weight of their own) against its keys."""
         local, ops = self.local, self.ops
         first = last + 1 - self._kept()
         keys = None if self.buffers.keys is None else self.buffers.keys[first : last + 1]
-        build = self.build
         hw = self.inputs[0] if len(self.inputs) == 1 else torch.cat(self.inputs)
-        centroids, centroid_pos, anchor = self._record(first, hw, keys, store_rows=build is None)
+        centroids, centroid_pos, _anchor = self._record(first, hw, keys)
         self.inputs.clear()
-        n_layers, done = ops.spec.n_layers, first
-        scored = first  # the layers scored lie first (every layer but possibly the last)
-        while scored <= last and self.sel.refreshes_layer(scored, n_layers):
-            scored += 1
-        if build is not None and scored > first:
-            span = slice(0, scored - first)
-            if build.finish_run(first, scored, hw[span], None if anchor is None else anchor[span], centroids[span],
-                                self.cache, ops.stacked_query_weights(first, scored), local.key_rope,
-                                self.buffers.stacks.prev[first:scored], meter,
-                                sum(ops.query_bytes(layer) for layer in range(first, scored))):
-                done = scored
-        for layer in range(done, last + 1):
+        n_layers = ops.spec.n_layers
+        for layer in range(first, last + 1):
+            if not self.sel.refreshes_layer(layer, n_layers):
+                continue
             i = layer - first
-            refreshes = self.sel.refreshes_layer(layer, n_layers)
-            if build is not None and refreshes:  # stored and scored in one region
-                build.finish(layer, hw[i], None if anchor is None else anchor[i], centroids[i], self.cache,
-                             ops.query_weights(layer), local.key_rope, self.buffers.prev[layer], meter,
-                             ops.query_bytes(layer))
-                continue
-            if build is not None:
-                self.buffers.store.write_all(layer, hw[i], None if anchor is None else anchor[i])
-            if not refreshes:
-                continue
             positions = centroid_pos[i] if self.sel.config.proxy_rope else None
             q = ops.project_queries(layer, centroids[i], positions, meter)
             with scope("proxy_attention"):
@@ -317,10 +251,6 @@ class PolestarMembers(MemberStrategy):
         self.trash = window.size
         self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
         self.capacity = buf.capacity
-        #: the middle layers' region where this step runs them as one (read once: the step is traced layer by layer)
-        update = buf.update
-        regional = update is not None and cache.position_rope is not None and layer_regions.in_whole_step()
-        self.update = update if regional else None
         self.proxy_slots = torch.full_like(buf.centroid_pos[0], cache.trash)  # centroids only query: the trash slot
         self.wants_head = sel.packet_logits
         self.x = state.x
@@ -329,34 +259,6 @@ class PolestarMembers(MemberStrategy):
 
     def slots(self, rows: torch.Tensor) -> torch.Tensor:
         return self.row_slot[rows]
-
-    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, packet: Packet | None,
-                    meter) -> tuple[torch.Tensor, Packet] | None:
-        """A middle layer with a packet as one region (:class:`~polestar.policies.polestar_update.UpdateLayer`) in
-        a whole-step compile; None elsewhere (the calls below)."""
-        update, ops = self.update, self.ops
-        if update is None or packet is None or layer == ops.spec.n_layers - 1:
-            return None
-        out, members_out, rows, valid = update(
-            layer, h, index, rope, self.cache, ops.layer_weights(layer), packet, self.buffers, self.window.valid,
-            self.row_slot, self.proxy_slots, self.due, self.local.key_rope, meter, ops.layer_bytes(layer))
-        return out, Packet(rows, valid, members_out)
-
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, packet: Packet | None,
-                  meter, until: int):
-        """The middle layers ``1 .. L - 2`` with a packet as one scan (:meth:`~polestar.policies.polestar_update.
-        UpdateLayer.run`) in a whole-step compile; None elsewhere (each layer on its own)."""
-        update, ops = self.update, self.ops
-        L = ops.spec.n_layers
-        if update is None or packet is None or layer != 1 or L < 3 or until < L - 1:
-            return None
-        done = update.run(1, L - 1, h, index, rope, self.cache, ops.stacked_weights(1, L - 1), packet, self.buffers,
-                          self.window.valid, self.row_slot, self.proxy_slots, self.due, self.local.key_rope, meter,
-                          ops.pass_bytes(1, L - 1))
-        if done is None:
-            return None
-        out, members_out, rows, valid, chosen = done
-        return out, Packet(rows, valid, members_out), chosen, L - 1
 
     def on_write(self, layer: int, packet: Packet, old: torch.Tensor) -> None:
         """Shift each centroid by the mean change of its members: ``delta [B, K, d]``."""

@@ -21,7 +21,6 @@ from polestar.streams import SideStream
 from .row_store import RowStore
 
 if TYPE_CHECKING:
-    from .polestar_update import BuildLayer, UpdateLayer
     from .sparse_update import Window
 
 
@@ -72,8 +71,8 @@ class WindowBuffers:
     each, the rows of a stack, as the cache's K/V) the block start's
     clusters: ``centroids [B, K, d]``, ``labels [B, Nw]`` (-1 invalid), ``counts [B, K]``, ``centroid_pos [B, K]`` and
     the last update's proxy distributions ``prev [B, H, K, T+1]``, each tuple the rows of one stack
-    ``[L, ...]`` (``stacks``: a scan over layers reads and writes back the stacks). ``parts``: the window parts'
-    ``(lo, hi, k)`` (:func:`window_parts`)."""
+    ``[L, ...]`` (``stacks``: a block start writes every layer's clusters with one copy per stack). ``parts``: the
+    window parts' ``(lo, hi, k)`` (:func:`window_parts`)."""
 
     parts: tuple
     store: RowStore
@@ -88,10 +87,6 @@ class WindowBuffers:
     capacity: tuple[int, ...] = ()
     #: ``centroids, labels, counts, centroid_pos, prev`` stacked over the layers (the tuples above are their rows)
     stacks: WindowStacks | None = None
-    #: a sparse-update step's middle layers as one region (None where the stages or stores cannot run in one)
-    update: UpdateLayer | None = None
-    #: a block start's layers as regions (None where the stages or stores cannot run in one)
-    build: BuildLayer | None = None
 
 
 class WindowStacks(NamedTuple):

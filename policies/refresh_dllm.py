@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from attrs import validators as v
 
-from polestar.models import layer_regions, layer_scan
 from polestar.models.hooks import CachedFeatures
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layer_regions import StageRegion
@@ -134,11 +133,6 @@ class _FeatureHook(LayerHook):
         self.computed.append((rows, 1))
         return CachedFeatures(rows, self.local.attn[layer], self.local.mlp[layer])
 
-    def _picks(self) -> bool:
-        """Whether layers above the first run the value pick as one region at this forward (:meth:`whole_layer`)."""
-        P = self.state.prompt_len
-        return not self.response and self.transfer and (self.n_pick > 0 or (self.prompt and P > 0))
-
     def _base_rows(self) -> torch.Tensor:
         """``[B, R0]`` the rows every layer above the first recomputes at this forward besides a value pick."""
         P, B = self.state.prompt_len, self.state.batch_size
@@ -149,60 +143,6 @@ class _FeatureHook(LayerHook):
         else:
             rows = self.arange[:P] if self.prompt else self.arange[:0]
         return rows.expand(B, -1)
-
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter, until: int):
-        """Layers ``1 .. L - 1`` as one scan (:mod:`~polestar.models.layer_scan`): of :func:`pick_layer` where they
-        pick, else of the feature-cached pass over the same rows (or, with no row to recompute, of the cached
-        outputs' sums). None at layer 0 or while an observer records."""
-        L, B, P, spec = self.state.n_layers, self.state.batch_size, self.state.prompt_len, self.ops.spec
-        if layer != 1 or L < 2 or until < L or self.state.detail is not None:
-            return None
-        cache, local, n = self.cache, self.local, L - 1
-        attn, mlp = local.attn_stack[1:], local.mlp_stack[1:]
-        if self._picks():
-            out, rows, keys, values, attn_new, mlp_new = _pick_layers(
-                self.config.similarity_grid, self.n_pick, P, h, self._base_rows(), index, rope.cos, rope.sin,
-                cache.key_valid, cache.k_stack[1:], cache.v_stack[1:], attn, mlp, self.ops.stacked_weights(1, L),
-                spec.norm_eps, spec.n_heads, spec.n_kv_heads)
-            written = (cache.k_stack[1:], cache.v_stack[1:], attn, mlp), (keys, values, attn_new, mlp_new)
-            G = self.state.length - P
-            values_pass = sum(c.attn_norm + c.v for c in map(self.ops.layer_bytes, range(1, L)))
-            meter.add(values_pass + self.ops.pass_bytes(1, L),
-                      2 * n * cache.layer_kv_bytes, n * B * rows.shape[2], n * B * G)
-        else:
-            rows = self._base_rows()[None].expand(n, -1, -1)
-            if rows.shape[2] == 0:
-                return _cached_sums(h, attn, mlp), L
-            out, keys, values, attn_new, mlp_new = layer_scan.feature_layers(
-                h, rows[0], index, rope.cos, rope.sin, cache.key_valid, cache.k_stack[1:], cache.v_stack[1:], attn,
-                mlp, self.ops.stacked_weights(1, L), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
-            written = (cache.k_stack[1:], cache.v_stack[1:], attn, mlp), (keys, values, attn_new, mlp_new)
-            meter.add(self.ops.pass_bytes(1, L), 2 * n * cache.layer_kv_bytes,
-                      n * B * rows.shape[2])
-        for kept, fresh in zip(*written):
-            kept.copy_(fresh)
-        self.computed.append((rows.transpose(0, 1).reshape(B, -1), n))
-        return out, L
-
-    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter) -> torch.Tensor | None:
-        """A layer with the value pick as one region (:func:`pick_layer`) in a whole-step compile; None elsewhere
-        (eager steps and ``compile="layers"`` write the buffers in place through :meth:`features`), while an
-        observer records, and where the layer recomputes nothing."""
-        P, B, spec = self.state.prompt_len, self.state.batch_size, self.ops.spec
-        if layer == 0 or not self._picks() or self.state.detail is not None or not layer_regions.in_whole_step():
-            return None
-        base = self._base_rows()
-        buffers = (self.cache.k[layer], self.cache.v[layer], self.local.attn[layer], self.local.mlp[layer])
-        out, rows, *new = _PICK_LAYER(
-            self.config.similarity_grid, self.n_pick, P, h, base, index, rope.cos, rope.sin, self.cache.key_valid,
-            *buffers, *self.ops.layer_weights(layer), spec.norm_eps, spec.n_heads, spec.n_kv_heads)
-        for kept, fresh in zip(buffers, new):
-            kept.copy_(fresh)
-        self.computed.append((rows, 1))
-        counted, G = self.ops.layer_bytes(layer), self.state.length - P
-        meter.add(counted.attn_norm + counted.v + counted.qkv_pass + counted.out_mlp_pass,
-                  2 * self.cache.layer_kv_bytes, B * rows.shape[1], B * G)
-        return out
 
     def _value_pick(self, layer: int, h: torch.Tensor, meter) -> torch.Tensor:
         """The ``n_pick`` response rows ``[B, n_pick]`` (offsets from ``P``, least similar first) whose values,
@@ -228,65 +168,6 @@ def least_similar(fresh: torch.Tensor, cached: torch.Tensor, grid: float, n_pick
     if grid > 0:
         return torch.round(sim.double() / grid).argsort(dim=1, stable=True)[:, :n_pick]
     return sim.topk(n_pick, dim=1, largest=False).indices
-
-
-def pick_layer(grid: float, n_pick: int, P: int, h, base_rows, index, cos, sin, key_valid, keys, values, attn, mlp,
-               attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias,
-               down, down_bias, eps: float, n_heads: int, n_kv_heads: int):
-    """A layer with the value pick, whole, as a pure function (what :meth:`_FeatureHook.features`, the value pick
-    and the backbone's feature-cached pass do with in-place writes): the response rows' values projected from
-    ``h[:, P:]`` (the fused q/k/v weight's value rows), the ``n_pick`` least similar to the cached ones picked
-    (:func:`least_similar`), every response value replaced by its fresh one, then the layer's pass over
-    ``base_rows [B, R0]`` and the picked rows (:func:`~polestar.models.layer_regions.feature_layer`) → ``(out
-    [B, T, d], rows [B, R0 + n_pick], keys, values, attn, mlp)``, every buffer a new tensor."""
-    B, T = h.shape[0], attn.shape[1]
-    hd = cos.shape[-1]
-    lo = (n_heads + n_kv_heads) * hd
-    v_rows = slice(lo, lo + n_kv_heads * hd)
-    fresh = layer_regions.project_rows(h[:, P:], attn_norm, attn_norm_bias, qkv[v_rows],
-                                       None if qkv_bias is None else qkv_bias[v_rows], eps)
-    fresh = fresh.view(B, T - P, n_kv_heads, hd).transpose(1, 2)
-    pick = least_similar.fn(fresh, values[:, :, P:T], grid, n_pick)
-    values = torch.cat([values[:, :, :P], fresh.to(values.dtype), values[:, :, T:]], dim=2)
-    rows = torch.cat([base_rows, P + pick], dim=1)
-    out, keys, values, attn, mlp = layer_regions.feature_layer(
-        h, rows, index, cos, sin, key_valid, keys, values, attn, mlp, attn_norm, attn_norm_bias, qkv, qkv_bias, o,
-        o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps, n_heads, n_kv_heads)
-    return out, rows, keys, values, attn, mlp
-
-
-#: :func:`pick_layer` as a nested compile region (a whole-step compile traces it once for every layer)
-_PICK_LAYER = layer_regions.region(pick_layer)
-
-
-def _pick_layers(grid: float, n_pick: int, P: int, h, base_rows, index, cos, sin, key_valid, keys, values, attn, mlp,
-                 weights, eps: float, n_heads: int, n_kv_heads: int):
-    """:func:`pick_layer` over a run of ``n`` layers as one scan: ``keys, values [n, B, Hkv, T + 1, hd]``,
-    ``attn, mlp [n, B, T, d]`` and ``weights`` (a :class:`~polestar.models.layer_regions.LayerWeights` of
-    ``[n, ...]`` stacks) → ``(out [B, T, d], rows [n, B, R0 + n_pick], keys, values, attn, mlp)``, the buffers as
-    new stacks."""
-    given, present = layer_scan.split_weights(weights)
-
-    def layer(rows_in, xs):
-        layer_keys, layer_values, layer_attn, layer_mlp, *row = xs
-        out, rows, *buffers = pick_layer(grid, n_pick, P, rows_in, base_rows, index, cos, sin, key_valid, layer_keys,
-                                         layer_values, layer_attn, layer_mlp, *layer_scan.join_weights(row, present),
-                                         eps, n_heads, n_kv_heads)
-        return out, (rows, *buffers)
-
-    out, stacked = layer_scan.scan(layer, h, (keys, values, attn, mlp, *given))
-    return (out, *stacked)
-
-
-def _cached_sums(h, attn, mlp):
-    """Layers that recompute no row, one after another: each output is ``(input + attn) + mlp`` of the layer's
-    cached outputs ``attn, mlp [n, B, T, d]`` (one scan)."""
-    def layer(rows, xs):
-        layer_attn, layer_mlp = xs
-        out = (rows + layer_attn) + layer_mlp
-        return out, out.new_empty(0)
-
-    return layer_scan.scan(layer, h, (attn, mlp))[0]
 
 
 def _heads_last(v: torch.Tensor) -> torch.Tensor:

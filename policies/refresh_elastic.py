@@ -51,12 +51,11 @@ import torch.nn.functional as F
 from attrs import validators as v
 
 from polestar.kernels.proxy_attention import proxy_attention
-from polestar.models import layer_regions, layer_scan
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.hooks import LayerQKV
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layer_regions import StageRegion, attend_mlp, qkv_rows
-from polestar.models.layers import RopeTable, Rotary
+from polestar.models.layer_regions import StageRegion
+from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
 from polestar.registry import register
@@ -314,66 +313,6 @@ def attention_cosine(old: torch.Tensor, now: torch.Tensor, valid: torch.Tensor,
     return (cos * weight).sum(dim=(1, 2)) / weight.sum(dim=(1, 2)).clamp_min(1.0)
 
 
-def _projected(h, index, cos, sin, keys, values, q_layer, attn_norm, attn_norm_bias, qkv, qkv_bias, eps: float,
-               n_heads: int, n_kv_heads: int):
-    """The plan rows' q/k/v (one matmul, rotated), their K/V written at ``index [B, C]`` and their queries into
-    ``q_layer [B, H, T + 1, hd]``, as new tensors → ``(q [B, H, C, hd], keys, values, q_layer)``."""
-    hd = cos.shape[-1]
-    qk, proj = qkv_rows(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
-    q = qk[:, :, :n_heads].transpose(1, 2)
-    slot = index[:, None, :, None].expand(-1, n_kv_heads, -1, hd)
-    keys = keys.scatter(2, slot, qk[:, :, n_heads:].transpose(1, 2))
-    values = values.scatter(2, slot, proj[:, :, n_heads + n_kv_heads:].transpose(1, 2))
-    q_layer = q_layer.scatter(2, index[:, None, :, None].expand(-1, n_heads, -1, hd), q.to(q_layer.dtype))
-    return q, keys, values, q_layer
-
-
-def _tracked_layer(h, index, cos, sin, key_valid, keys, values, attn_norm, attn_norm_bias, qkv, qkv_bias, o,
-                   o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, q_layer, window_slots,
-                   region_valid, masked, track, keep, eps: float, n_heads: int, n_kv_heads: int, scale: float,
-                   track_num: int, length: int):
-    """A layer of an Elastic-Cache forward without the trigger test, whole, as a pure function (what
-    :meth:`_TrackPass.members` and the backbone's layer pass do with in-place writes): q/k/v of the plan rows with
-    their K/V written, their queries stored in ``q_layer [B, H, T + 1, hd]``, the layer's tracked tokens ``track
-    [B, track_num]`` re-picked in the rows ``keep [B]`` (:func:`retracked`), then attention, o and the MLP →
-    ``(out [B, C, d], keys, values, q_layer, track)``, every buffer a new tensor."""
-    q, keys, values, q_layer = _projected(h, index, cos, sin, keys, values, q_layer, attn_norm, attn_norm_bias, qkv,
-                                          qkv_bias, eps, n_heads, n_kv_heads)
-    track = retracked.fn(q, window_slots, keys, key_valid, region_valid, masked, track, keep, scale, track_num, length)
-    out = attend_mlp(q, h, keys, values, key_valid, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down,
-                     down_bias, eps)
-    return out, keys, values, q_layer, track
-
-
-def _checked_layer(h, index, cos, sin, key_valid, keys, values, attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias,
-                   mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, q_layer, window_slots,
-                   region_valid, masked, track, active, track_pos, tracked_slots, track_valid, fired, layer_id,
-                   eps: float, n_heads: int, n_kv_heads: int, scale: float, track_num: int, length: int, gamma: float,
-                   n_layers: int):
-    """A layer of a ``cached`` forward with the trigger test, whole, as a pure function (what
-    :meth:`_CachedPass.extra_rows`, :meth:`_TrackPass.members` and the backbone's layer pass do with in-place
-    writes): the tracked tokens' attention as it was (their stored queries at ``track_pos [B, K]`` over the keys
-    before this layer's writes), then :func:`_tracked_layer`'s work with the trigger test (:func:`triggered`, the
-    tracked tokens at plan slots ``tracked_slots``) between the query store and the re-pick (in the ``active``
-    rows) → ``(out, keys, values, q_layer, track, fired [B])``, every buffer a new tensor."""
-    hd = cos.shape[-1]
-    past_q = q_layer.gather(2, track_pos[:, None, :, None].expand(-1, n_heads, -1, hd))
-    old = proxy_attention(past_q, keys, key_valid, scale)
-    q, keys, values, q_layer = _projected(h, index, cos, sin, keys, values, q_layer, attn_norm, attn_norm_bias, qkv,
-                                          qkv_bias, eps, n_heads, n_kv_heads)
-    fired, _sim = triggered.fn(q, tracked_slots, keys, key_valid, old, track_valid, fired, active, layer_id, scale,
-                               gamma, n_layers)
-    track = retracked.fn(q, window_slots, keys, key_valid, region_valid, masked, track, active, scale, track_num,
-                         length)
-    out = attend_mlp(q, h, keys, values, key_valid, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down,
-                     down_bias, eps)
-    return out, keys, values, q_layer, track, fired
-
-
-#: the two layer forms as nested compile regions (a whole-step compile traces each once for every layer)
-_TRACKED_LAYER, _CHECKED_LAYER = layer_regions.region(_tracked_layer), layer_regions.region(_checked_layer)
-
-
 @attrs.define
 class ElasticState:
     """Per-generation state of :class:`ElasticCacheRefresh` (preallocated, written in place): ``q``: per layer (a
@@ -420,113 +359,6 @@ class _TrackPass(LayerHook):
     def checks(self, layer: int) -> bool:
         """Whether ``layer`` runs the trigger test (:meth:`check`)."""
         return False
-
-    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter) -> torch.Tensor | None:
-        """The layer as one region (:func:`_tracked_layer`, or :func:`_checked_layer` with the trigger test) in a
-        whole-step compile, the buffers it rewrote copied back; None while an observer records and outside a
-        whole-step compile (eager steps and ``compile="layers"`` write in place through the calls below)."""
-        if self.detail is not None or not layer_regions.in_whole_step():
-            return None
-        local, cache, state, spec = self.local, self.cache, self.state, self.ops.spec
-        keys, values, q_layer, track = cache.k[layer], cache.v[layer], local.q[layer], local.track[layer]
-        common = (h, index, rope.cos, rope.sin, cache.key_valid, keys, values, *self.ops.layer_weights(layer),
-                  q_layer, self.window_slots(layer), state.region_valid, self.masked, track)
-        sizes = (spec.norm_eps, spec.n_heads, spec.n_kv_heads, self.scale, self.sel.config.track_num, state.length)
-        B, C = index.shape
-        key_bytes = cache.layer_kv_bytes
-        if self.checks(layer):
-            tracked = self.tracked_slots(layer)
-            # a region refuses one tensor given twice: above layer 0 of a ``fire0`` step the slots are the positions
-            tracked = tracked.clone() if tracked is self.track_pos else tracked
-            out, *new = _CHECKED_LAYER(*common, state.active, self.track_pos, tracked, self.track_valid, local.fired,
-                                       local.layer_ids[layer], *sizes, self.sel.config.gamma, state.n_layers)
-            buffers, probe_rows, key_reads = (keys, values, q_layer, track, local.fired), B * self.track_pos.shape[1], 3
-        else:
-            out, *new = _TRACKED_LAYER(*common, self.retrack_rows(layer), *sizes)
-            buffers, probe_rows, key_reads = (keys, values, q_layer, track), 0, 1
-        for kept, fresh in zip(buffers, new):
-            kept.copy_(fresh)
-        counted = self.ops.layer_bytes(layer)
-        meter.add(counted.qkv_pass + counted.out_mlp_pass, key_bytes * (key_reads + 2), B * C,
-                  probe_rows)
-        return out
-
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope, meter, until: int):
-        """Layer ``layer`` as its region (:meth:`whole_layer`), then layers ``layer + 1 .. until - 1``, which do the
-        same work, as one scan of :func:`_checked_layer` (steps with the trigger test) or :func:`_tracked_layer`
-        over the layer-stacked tensors (:mod:`~polestar.models.layer_scan`): each layer's input stored (per-layer
-        plans: the previous layer's outputs written at their slots and the layer's slots gathered, as the backbone
-        does), the buffers it rewrote and the trigger copied back. None while an observer records."""
-        local, cache, state, spec = self.local, self.cache, self.state, self.ops.spec
-        if self.detail is not None or local.q_stack is None or cache.hidden_stack is None:
-            return None
-        out = self.whole_layer(layer, h, index, rope, meter)
-        first = layer + 1
-        if first >= until:
-            return out, first
-        span = slice(first, until)
-        plan, trash, d = self.plan, cache.trash, spec.d_model
-        per_layer = plan.per_layer
-        checks = self.checks(first)
-        given, present = layer_scan.split_weights(self.ops.stacked_weights(first, until))
-        written = (cache.k_stack[span], cache.v_stack[span], local.q_stack[span], local.track[span],
-                   cache.hidden_stack[span])
-        if per_layer:
-            indices = plan.index[span] if isinstance(plan.index, torch.Tensor) else torch.stack(plan.index[span])
-            valids = plan.valid[span] if isinstance(plan.valid, torch.Tensor) else torch.stack(plan.valid[span])
-            slots = (indices, valids)
-        else:
-            slots = ()
-        table = cache.position_rope
-        sizes = (spec.norm_eps, spec.n_heads, spec.n_kv_heads, self.scale, self.sel.config.track_num, state.length)
-        window = self.window_slots(first)
-        tracked = self.tracked_slots(first) if checks else None
-        if tracked is not None and tracked is self.track_pos:
-            tracked = tracked.clone()  # a region refuses one tensor given twice
-
-        def layer_fn(carry, xs):
-            rows, prev, fired = carry
-            keys, values, q_layer, track, hidden, layer_id, *rest = xs
-            if per_layer:
-                layer_index, layer_valid, *row = rest
-                layer_index = torch.where(layer_valid, layer_index, trash)
-                hidden = hidden.scatter(1, prev[..., None].expand(-1, -1, d), rows)
-                rows = hidden.gather(1, layer_index[..., None].expand(-1, -1, d))
-                cos, sin = RopeTable(table.cos, table.sin).rows(cache.positions.gather(1, layer_index))
-            else:
-                row, layer_index, (cos, sin) = rest, index, (rope.cos, rope.sin)
-                hidden = hidden.scatter(1, layer_index[..., None].expand(-1, -1, d), rows)
-            common = (rows, layer_index, cos, sin, cache.key_valid, keys, values,
-                      *layer_scan.join_weights(row, present), q_layer, window, state.region_valid, self.masked, track)
-            if checks:
-                new_out, keys, values, q_layer, track, fired = _checked_layer(
-                    *common, state.active, self.track_pos, tracked, self.track_valid, fired, layer_id, *sizes,
-                    self.sel.config.gamma, state.n_layers)
-            else:
-                new_out, keys, values, q_layer, track = _tracked_layer(*common, self.retrack_rows(layer_id), *sizes)
-                fired = fired.clone()
-            return (new_out, layer_index.clone(), fired), (keys, values, q_layer, track, hidden)
-
-        carry_rows, carry_index = out, index.clone()  # (the body reads `index` too: no input given twice)
-        if per_layer:  # the first scanned layer's input, as the backbone makes it (its slots may differ in number
-            # from this layer's: a scan carries one shape); its body writes the same rows back, a no-op
-            cache.hidden[first].scatter_(1, index[..., None].expand(-1, -1, d), out)
-            carry_index = torch.where(valids[0], indices[0], trash)
-            carry_rows = cache.hidden[first].gather(1, carry_index[..., None].expand(-1, -1, d))
-        xs = (*written, local.layer_ids[span], *slots, *given)
-        (out, _, fired), new = layer_scan.scan(layer_fn, (carry_rows, carry_index, local.fired.clone()), xs)
-        for kept, fresh in zip(written, new):
-            kept.copy_(fresh)
-        if checks:
-            local.fired.copy_(fired)
-        B = index.shape[0]
-        C = plan.at(first)[0].shape[1]
-        n = until - first
-        key_reads = 3 if checks else 1
-        meter.add(self.ops.pass_bytes(first, until),
-                  n * cache.layer_kv_bytes * (key_reads + 2), n * B * C,
-                  n * B * self.track_pos.shape[1] if checks else 0)
-        return out, until
 
     def check(self, layer: int, qkv: LayerQKV) -> None:
         """The trigger test (``cached`` steps only)."""

@@ -48,7 +48,6 @@ from polestar.streams import SideStream
 from .polestar_hooks import PolestarBuildHook, PolestarMembers
 from .polestar_state import PolestarPhase, PolestarRefreshState, WindowBuffers, WindowStacks
 from .polestar_trace import CLUSTER_DRIFT
-from .polestar_update import BuildLayer, UpdateLayer
 from .refresh_basic import block_plan, block_start_plan
 from .row_store import RowStore
 from .sparse_update import SparseUpdate, Window, make_window
@@ -202,14 +201,10 @@ class PolestarRefresh(RefreshSelector):
 
         store = RowStore(*args, spec.d_model, device, dtype)
         qstore = RowStore(*args, spec.n_heads * spec.head_dim, device, dtype)
-        usable = UpdateLayer.usable(self.drift, store, qstore)
-        capacity = self.capacities(n, L)[min(1, L - 1)]  # a middle layer's
-        update = UpdateLayer(self.drift, self.config.topk, capacity, store, qstore, spec, n) if usable else None
-        build = BuildLayer(store, qstore, spec) if usable else None
         stacks = WindowStacks(zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long), zeros(B, K, dt=torch.long),
                               zeros(B, K, dt=torch.long), zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32))
         return WindowBuffers(parts, store, qstore, keys, *(t.unbind(0) for t in stacks), tuple(self.capacities(n, L)),
-                             stacks, update, build)
+                             stacks)
 
     #: bytes of kept window inputs (with the clusterer's fp32 copies of them) one block start's clusterer call may
     #: hold when clustering layers together: the layers are clustered in groups that fit (every layer in one call

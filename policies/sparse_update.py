@@ -23,7 +23,6 @@ import torch
 
 from polestar.models.hooks import ExtraRows, LayerQKV, MemberRows
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layers import RopeTable
 from polestar.models.plan import DecodeCache
 from polestar.stages import LayerHook
 
@@ -131,21 +130,6 @@ class MemberStrategy:
     def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
         raise NotImplementedError  # pragma: no cover
 
-    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, packet: Packet | None,
-                    meter) -> tuple[torch.Tensor, Packet] | None:
-        """Layer ``layer`` run whole by the strategy (one region of its own: the packet ``packet`` written, the
-        layer's pass with its members, see :meth:`SparseUpdate.whole_layer`) → the plan rows' outputs
-        ``[B, C, d]`` and the next layer's packet; or None (default): the layer runs the calls below."""
-        return None
-
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, packet: Packet | None,
-                  meter, until: int):
-        """Layers ``layer .. end - 1`` (``end <= until``) run by the strategy as one scan (see
-        :meth:`SparseUpdate.whole_run`) → the plan rows' outputs ``[B, C, d]``, the next layer's packet, every
-        layer's valid members side by side ``[B, Σ M]`` and ``end``; or None (default): layer ``layer`` runs on
-        its own."""
-        return None
-
     def on_write(self, layer: int, packet: Packet, old: torch.Tensor | None) -> None:
         """Called after the packet was written into the store at ``layer`` (``old``: previous values or None)."""
 
@@ -179,33 +163,6 @@ class SparseUpdate(LayerHook):
         if not self.chosen:
             return self._none
         return torch.cat(self.chosen, dim=1).sum(-1)
-
-    def whole_layer(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable,
-                    meter) -> torch.Tensor | None:
-        """The strategy's :meth:`MemberStrategy.whole_layer` where it runs this layer whole (never while an
-        observer records: the region returns no detail); its members are counted and passed on as the packet."""
-        if self.detail is not None:
-            return None
-        done = self.strategy.whole_layer(layer, h, index, rope, self.packet_rows, meter)
-        if done is None:
-            return None
-        out, self.packet_rows = done
-        self.current = None
-        self.chosen.append(self.packet_rows.valid)
-        return out
-
-    def whole_run(self, layer: int, h: torch.Tensor, index: torch.Tensor, rope: RopeTable, meter, until: int):
-        """The strategy's :meth:`MemberStrategy.whole_run` where it runs layers from ``layer`` on as one scan (never
-        while an observer records); their members are counted and the last one's passed on as the packet."""
-        if self.detail is not None:
-            return None
-        done = self.strategy.whole_run(layer, h, index, rope, self.packet_rows, meter, until)
-        if done is None:
-            return None
-        out, self.packet_rows, chosen, end = done
-        self.current = None
-        self.chosen.append(chosen)
-        return out, end
 
     def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
         strategy, packet = self.strategy, self.packet_rows

@@ -75,15 +75,29 @@ def test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_an
     assert counters["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_compiled_step_builds_with_and_without_cuda_graphs(cuda_graphs, small_model):
-    """On a CPU the step compiles with inductor options (a C++ wrapper without its asserts); with CUDA graphs it
-    takes inductor's ``triton.cudagraphs`` option instead (what ``mode="reduce-overhead"`` sets, given as an option
-    so that the guard filter can be given too). Building is lazy: nothing compiles here; one compiled step per
-    model and composition."""
+@pytest.mark.parametrize("compile, backend", [(False, None), (True, "inductor"), ("aot_eager", "aot_eager")])
+def test_compile_names_the_backend_of_the_layer_regions_made_once_per_backend(compile, backend):
+    """``compile`` picks one thing: the backend the layer regions are compiled with (one route on every device). On
+    a CPU inductor runs without its extern-kernel asserts; the compiled regions are made once per process and
+    backend, lazily (nothing compiles here)."""
+    from polestar.models import layer_regions
     from polestar.policy import assemble
-    from polestar.step import compiled_step
+    from polestar.step import StepRunner, region_backend
 
-    fn = compiled_step(small_model, assemble("fast-dllm", {"threshold?": 0.42}), "inductor", cuda_graphs)
-    assert callable(fn)
-    assert compiled_step(small_model, assemble("fast-dllm", {"threshold?": 0.42}), "inductor", cuda_graphs) is fn
+    assert region_backend(compile) == backend
+    runner = StepRunner(compile, "cpu", assemble("fast-dllm"))
+    again = StepRunner(compile, "cpu", assemble("fast-dllm", {"threshold?": 0.42}))
+    if backend is None:
+        assert runner.regions is None and again.regions is None
+        return
+    assert runner.regions is again.regions and runner.regions.compile is not None
+    cpu_options = layer_regions.compiled(backend, options={"size_asserts": False, "scalar_asserts": False,
+                                                           "alignment_asserts": False})
+    assert (runner.regions is cpu_options) == (backend == "inductor")
+
+
+def test_a_compile_argument_that_is_no_backend_is_one_clear_error():
+    from polestar.step import region_backend
+
+    with pytest.raises(TypeError, match="compile must be a bool, a torch.compile backend name or a backend callable"):
+        region_backend(3)

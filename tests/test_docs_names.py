@@ -5,7 +5,7 @@ A page's code spans (backticks) that look like code names are checked: dotted na
 (``WindowBuffers``) and calls (``state.block_columns()``). Plain words (``plan``, ``kl``) and shapes (``[B, T]``)
 are not. A name resolves when it is
 
-* an importable path (``polestar.models.layer_scan``, ``torch.topk``), a module's short name with attributes
+* an importable path (``polestar.models.layer_regions``, ``torch.topk``), a module's short name with attributes
   (``step.decode_step``), or a class of the package with its attributes (``DiffusionLM.run_plan``);
 * a variable's attribute (``cache.key_valid``): its last part is an attribute some class of the package has or
   sets on ``self``, or a field of an attrs class or NamedTuple;
@@ -177,7 +177,7 @@ def test_every_code_name_on_the_page_resolves(page):
 
 def test_the_resolver_rejects_names_that_do_not_exist():
     assert resolves("DecodeState.active") and resolves("step.decode_step") and resolves("cache.key_valid")
-    assert resolves("polestar.models.layer_scan") and resolves("torch.topk") and resolves("block_plan")
+    assert resolves("polestar.models.layer_regions") and resolves("torch.topk") and resolves("block_plan")
     assert not resolves("DecodeState.no_such_field")
     assert not resolves("block_work_that_never_was")
     assert not resolves("step.no_such_function")

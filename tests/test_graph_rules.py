@@ -139,8 +139,19 @@ def test_both_routes_report_a_decoding_step_alike():
     runs = []
     for aot_graph in (False, True):
         pipeline = assemble("fast-dllm", {"threshold": 0.3})
-        probe = GraphProbe(poison=True, aot_graph=aot_graph)
-        runner = StepRunner(probe, ids.device, pipeline, static_addresses=True)
+        probe = GraphProbe(aot_graph=aot_graph)
+        runner = StepRunner(probe, ids.device, pipeline)
         tokens, _ = decode(model, ids, mask, pipeline, config, runner=runner)
         runs.append((tokens.tolist(), [g._replace(name="") for g in probe.graphs]))
     assert runs[0] == runs[1] and runs[0][1] and not any(g.problems() for g in runs[0][1])
+
+
+def test_inputs_that_share_memory_are_reported():
+    probe = GraphProbe()
+    base = torch.zeros(6)
+    _compiled(lambda a, b: a + b, probe)(base[:3], base[3:])
+    (report,) = probe.graphs
+    assert len(report.aliased) == 1 and "share memory" in report.problems()[0]
+    probe = GraphProbe()
+    _compiled(lambda a, b: a + b, probe)(torch.zeros(3), torch.zeros(3))
+    assert probe.graphs[0].aliased == () and probe.problems() == []

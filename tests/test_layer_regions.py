@@ -1,14 +1,13 @@
-"""The layer regions: each layer's model work is traced once per step graph and reused by every layer, so what a
+"""The layer regions: each layer's model work is compiled once per shape and called at every layer, so what a
 compiler builds does not grow with depth; compiled by inductor they compute what they compute eagerly."""
 
-import collections
 import functools
 
 import pytest
 import torch
 
 import polestar
-from polestar.models.layer_regions import NESTED
+from polestar.models.layer_regions import PLAIN
 from polestar.testing import tiny_model
 
 PROMPTS = [[5, 17, 3, 8], [9, 1, 22, 30, 4, 11]]
@@ -16,7 +15,7 @@ POLICIES = ["fast-dllm", "polestar", "elastic-cache", "dllm-cache"]
 
 
 def _captured(policy: str, layers: int) -> list[torch.fx.GraphModule]:
-    """The step graphs of one decode, captured by dynamo (no code generated)."""
+    """The region graphs of one decode, captured by dynamo (no code generated)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -29,27 +28,14 @@ def _captured(policy: str, layers: int) -> list[torch.fx.GraphModule]:
     return graphs
 
 
-def _graph_shape(policy: str, layers: int) -> tuple[int, collections.Counter, collections.Counter, list[int]]:
-    """Step graphs of one decode: their count, the distinct region subgraphs per graph (by size), the region calls
-    per graph and each graph's node count."""
-    graphs = _captured(policy, layers)
-    subgraphs = collections.Counter(sum(1 for _ in gm.named_children()) for gm in graphs)
-    calls = collections.Counter(sum(1 for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph)
-                                for gm in graphs)
-    return len(graphs), subgraphs, calls, sorted(len(gm.graph.nodes) for gm in graphs)
-
-
-@pytest.mark.parametrize("policy", [pytest.param(p, marks=[] if p == "fast-dllm" else pytest.mark.slow)
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=[] if p in ("fast-dllm", "polestar") else pytest.mark.slow)
                                     for p in POLICIES])
-def test_step_graphs_and_compiled_regions_do_not_depend_on_depth(policy):
+def test_compiled_regions_do_not_depend_on_depth(policy):
     """From 3 layers on (a first layer, a middle one, a last one), more layers change nothing a compiler sees: the
-    same graphs, node for node, calling the same regions as often (the runs of layers are scans over the
-    layer-stacked tensors, :mod:`polestar.models.layer_scan`; a region is left at a run's edge only)."""
-    n3, regions3, calls3, nodes3 = _graph_shape(policy, 3)
-    n5, regions5, calls5, nodes5 = _graph_shape(policy, 5)
-    assert n3 == n5  # one graph per step phase, whatever the depth
-    assert regions3 == regions5  # the regions each graph compiles: the same few at any depth
-    assert calls3 == calls5 and nodes3 == nodes5
+    same region graphs, node for node (every layer calls the ones compiled for the first)."""
+    graphs3 = sorted(len(gm.graph.nodes) for gm in _captured(policy, 3))
+    graphs5 = sorted(len(gm.graph.nodes) for gm in _captured(policy, 5))
+    assert graphs3 == graphs5 and graphs3
 
 
 @pytest.mark.slow
@@ -71,11 +57,11 @@ def test_regions_compiled_by_inductor_equal_their_eager_results():
 
     def layers(h, keys, values):
         for w, k_cache, v_cache in zip(weights, keys, values):
-            qk, qkv = NESTED.qkv_rows(h, w["norm"], None, w["qkv"], None, cos, sin, 1e-5, H, H)
+            qk, qkv = PLAIN.qkv_rows(h, w["norm"], None, w["qkv"], None, cos, sin, 1e-5, H, H)
             slot = index[:, None, :, None].expand(-1, H, -1, hd)
             k_cache.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
             v_cache.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
-            h = NESTED.attend_mlp(qk[:, :, :H].transpose(1, 2), h, k_cache, v_cache, valid, w["o"], None,
+            h = PLAIN.attend_mlp(qk[:, :, :H].transpose(1, 2), h, k_cache, v_cache, valid, w["o"], None,
                                   w["mlp_norm"], None, w["gate_up"], None, w["down"], None, 1e-5)
         return h
 
@@ -140,8 +126,7 @@ def _passes(regions, weights, buffers, h, index, cos, sin, valid, rows, H):
     return regions.feature_layer(h, rows, index, cos, sin, valid, k1, v1, attn, mlp, *weights[1], 1e-5, H, H)
 
 
-@pytest.mark.parametrize("form", ["plain", pytest.param("nested in a compiled step", marks=pytest.mark.slow),
-                                  pytest.param("pieces compiled on their own", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("form", ["plain", pytest.param("pieces compiled on their own", marks=pytest.mark.slow)])
 def test_whole_layer_passes_equal_the_pieces_and_write_their_buffers_in_place(form):
     from polestar.models import layer_regions
 
@@ -151,8 +136,6 @@ def test_whole_layer_passes_equal_the_pieces_and_write_their_buffers_in_place(fo
     addresses = [t.data_ptr() for b in buffers for t in b]
     if form == "plain":
         out = _passes(layer_regions.PLAIN, weights, buffers, *rest)
-    elif form == "nested in a compiled step":
-        out = torch.compile(_passes, backend="aot_eager", fullgraph=True)(NESTED, weights, buffers, *rest)
     else:
         regions = layer_regions.compiled_with(functools.partial(torch.compile, backend="aot_eager", fullgraph=True,
                                                                 dynamic=False))
@@ -194,26 +177,13 @@ def test_regions_compiled_on_their_own_compile_once_whatever_the_depth(policy):
         assert torch.equal(tokens, eager.tokens)
 
 
-def test_compile_true_means_layers_on_cuda_and_where_nested_regions_are_traced_at_every_call(monkeypatch):
-    from polestar import step
-    from polestar.models import layer_regions
-
-    monkeypatch.setattr(layer_regions, "NESTED_REGIONS_REUSED", False)
-    assert step.compile_mode(True) == step.LAYERS
-    monkeypatch.setattr(layer_regions, "NESTED_REGIONS_REUSED", True)
-    assert step.compile_mode(True) is True and step.compile_mode(True, "cpu") is True
-    assert step.compile_mode(True, "cuda") == step.LAYERS  # the step's glue is replayed in its CUDA graph
-    assert step.compile_mode("layers") == "layers" and step.compile_mode("aot_eager") == "aot_eager"
-    assert step.compile_mode(False) is False
-
-
 @pytest.mark.slow
-def test_layers_mode_with_inductor_equals_eager_and_reuses_its_regions_at_another_depth():
-    out2 = polestar.generate(tiny_model("llada", seed=3, n_layers=2), PROMPTS, policy="polestar", compile="layers",
+def test_inductor_regions_equal_eager_and_are_reused_at_another_depth():
+    out2 = polestar.generate(tiny_model("llada", seed=3, n_layers=2), PROMPTS, policy="polestar", compile=True,
                              gen_length=16, block_length=8)
     model8 = tiny_model("llada", seed=3, n_layers=8)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    out8 = polestar.generate(model8, PROMPTS, policy="polestar", compile="layers", gen_length=16, block_length=8)
+    out8 = polestar.generate(model8, PROMPTS, policy="polestar", compile=True, gen_length=16, block_length=8)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the 2-layer decode compiled them all
     eager8 = polestar.generate(model8, PROMPTS, policy="polestar", gen_length=16, block_length=8)
     assert out2.stats.compiled_steps == out2.stats.nfe and out8.stats.compiled_steps == out8.stats.nfe
@@ -222,7 +192,7 @@ def test_layers_mode_with_inductor_equals_eager_and_reuses_its_regions_at_anothe
 
 def test_a_stages_own_regions_are_compiled_with_the_layer_regions_once_whatever_the_depth():
     """Elastic-Cache's trigger test and re-pick are :class:`~polestar.models.layer_regions.StageRegion` s: under
-    ``compile="layers"`` they are compiled on their own like the model's regions, once per shape at any depth, and
+    ``compile`` they are compiled on their own like the model's regions, once per shape at any depth, and
     the decode gives the eager tokens."""
     from polestar.models import layer_regions
     from polestar.policies.refresh_elastic import retracked, triggered
@@ -248,13 +218,17 @@ def test_a_stages_own_regions_are_compiled_with_the_layer_regions_once_whatever_
     assert counts[0] == counts[1] > 0
 
 
-def test_eager_steps_run_the_plain_passes_and_a_compiled_step_the_nested_regions():
-    """Outside ``torch.compile`` the passes write the K/V in place (no copy of a layer's cache per step); a traced
-    step gets the nested regions, which may not write their inputs."""
+def test_plain_steps_run_the_plain_functions_and_a_compiled_runner_its_regions():
+    """Outside a compiled run the passes are the plain functions (the K/V written in place); a runner with
+    ``compile`` holds its compiled regions for its run of steps, and nothing else changes them."""
     from polestar.models import layer_regions
+    from polestar.policy import assemble
+    from polestar.step import StepRunner
 
     assert layer_regions.active() is layer_regions.PLAIN
-    traced = torch.compile(lambda x: x + int(layer_regions.active() is NESTED), backend="eager", fullgraph=True)
-    assert traced(torch.zeros(())).item() == 1
-    with layer_regions.using(layer_regions.PLAIN):
+    runner = StepRunner("eager", "cpu", assemble("fast-dllm"))
+    with runner.running():
+        assert layer_regions.active() is runner.regions is not layer_regions.PLAIN
+    assert layer_regions.active() is layer_regions.PLAIN
+    with StepRunner(False, "cpu", assemble("fast-dllm")).running():
         assert layer_regions.active() is layer_regions.PLAIN

@@ -172,38 +172,3 @@ def test_compiled_read_write_equals_eager():
     assert torch.equal(comp.read_all(1), eager.read_all(1))
     for a, c in zip(encoded_bytes(eager, 1), encoded_bytes(comp, 1)):
         assert torch.equal(a, c)
-
-
-@pytest.mark.parametrize("quant", QUANTS)
-@FAST
-@given(sc=scenarios())
-def test_the_pure_writes_and_read_of_a_layer_region_equal_the_in_place_ones(quant, sc):
-    """``written_all`` / ``written`` / ``read_leaves`` (what a layer region calls, on the leaves it is given) give
-    the leaves, anchor buffer and values that ``write_all`` / ``write`` / ``read`` leave in the store, and write
-    nothing in place."""
-    b, n, d = sc["values"].shape
-    in_place, pure = (make_store(quant, "none", batch=b, n_rows=n, dim=d, dtype=sc["dtype"]) for _ in range(2))
-    assert pure.regional and in_place.regional
-    before = [t.clone() for t in pure.stored[1]]
-    leaves, kept = pure.written_all(pure.stored[1], pure.anchor[1], sc["values"], sc["anchor"])
-    assert all(torch.equal(a, c) for a, c in zip(pure.stored[1], before))  # nothing written in place
-    in_place.write_all(1, sc["values"], sc["anchor"])
-    assert all(torch.equal(a, c) for a, c in zip(leaves, in_place.stored[1]))
-    anchored = in_place.anchored[1]
-    if anchored:
-        assert torch.equal(kept, in_place.anchor[1])
-    anchor = kept if anchored else None
-    leaves = pure.written(leaves, anchor, sc["rows"], sc["valid"], sc["new"])
-    in_place.write(1, sc["rows"], sc["valid"], sc["new"])
-    assert all(torch.equal(a, c) for a, c in zip(leaves, in_place.stored[1]))
-    rows = torch.cat([sc["rows"].clamp_max(n - 1), torch.randint(0, n, (b, 3))], 1)
-    assert torch.equal(pure.read_leaves(leaves, anchor, rows), in_place.read(1, rows))
-
-
-@pytest.mark.parametrize("offload", [o for o in OFFLOADS if o != "none"])
-def test_a_store_off_the_device_is_not_written_by_a_region(offload):
-    store = make_store("none", offload)
-    assert store.regional == store.offload.on_device
-    if not store.offload.on_device:
-        with pytest.raises(NotImplementedError, match="keeps no rows on the device"):
-            store.offload.with_rows(store.stored[0], torch.zeros(2, 1, dtype=torch.long), ())

@@ -71,12 +71,15 @@ def test_a_host_read_inside_a_captured_step_is_refused():
         tape.capture(lambda: x.add_(1.0) if bool(x.sum() > 0) else x)
 
 
-def test_graphs_are_off_on_a_cpu_and_with_compile_by_default():
+def test_graphs_are_on_for_cuda_with_or_without_compile_and_off_on_a_cpu_by_default():
     pipeline = assemble("fast-dllm")
     assert StepRunner(False, "cpu", pipeline).graphs is None
-    assert StepRunner(False, "cuda", pipeline).graphs is not None  # made without touching CUDA (captures lazily)
-    assert StepRunner(False, "cuda", pipeline, graphs=False).graphs is None
-    assert StepRunner("eager", "cpu", pipeline, graphs=taped_step_graphs()).graphs is None
+    assert StepRunner(True, "cpu", pipeline).graphs is None
+    for compile in (False, True):  # one route: compiled regions or not, a CUDA step is captured
+        assert StepRunner(compile, "cuda", pipeline).graphs is not None  # made without touching CUDA (lazily)
+        assert StepRunner(compile, "cuda", pipeline, graphs=False).graphs is None
+    graphs = taped_step_graphs()
+    assert StepRunner("eager", "cpu", pipeline, graphs=graphs).graphs is graphs
 
 
 def test_a_weight_assigned_by_hand_is_read_by_the_next_generation_not_the_captured_one():

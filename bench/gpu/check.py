@@ -1,8 +1,7 @@
 """GPU check, run by ``bench/gpu/check.sh``: one offline command on a machine
 with one H100 / H200 (or A100), < 8 minutes.
 
-0. The device: its name, compute capability and HBM bandwidth figure, whether ``quant='fp8'`` may be compiled on
-   it (:func:`polestar.device_support.fp8_compile_blocker`) and whether step 6 (Triton kernels) can run.
+0. The device: its name, compute capability and HBM bandwidth figure and whether step 6 (Triton kernels) can run.
 1. Writes an LLaDA-8B-Instruct-shaped checkpoint (the published config.json and tokenizer files, random bf16
    weights, sharded) and loads it with ``polestar.load`` straight onto the device: load time and peak device
    memory against the weights (bound 1.05x).
@@ -20,7 +19,8 @@ with one H100 / H200 (or A100), < 8 minutes.
    CUDA-graph replays (calls of ``torch.cuda.CUDAGraph.replay``, through which cudagraph trees replay a recorded
    graph) and graph recordings (``CUDAGraph.capture_begin``), and over its warm-up and run Inductor's cudagraph
    skips (``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``) with the reasons Inductor gave.
-5. ``quant='fp8'`` compiled: one ``polestar`` row where the device allows it, else the refusal, in one line.
+5. ``quant='fp8'`` compiled: one ``polestar`` row (the fp8 row store runs in the step, outside the compiled layer
+   regions, so any GPU runs it).
 
 ``--profile``: after step 3, the ten most expensive operations of one decode per policy (``torch.profiler``, by
 self device time on CUDA, self CPU time elsewhere).
@@ -33,7 +33,7 @@ A row that would start after ``--budget`` seconds (default 450), or a compiled r
 :data:`COMPILE_RESERVE` seconds of it left, is skipped with a line saying so.
 
 ``--tiny`` runs the same steps at a narrow width and depth on any device (tests/test_gpu_check.py); on a CPU its
-compiled rows use the ``"eager"`` compile backend (dynamo captures each step whole, no code is generated) unless
+compiled rows use the ``"eager"`` compile backend (dynamo captures each layer region, no code is generated) unless
 ``--compile-backend`` says otherwise.
 """
 
@@ -53,7 +53,6 @@ from pathlib import Path
 import torch
 
 import polestar
-from polestar.device_support import fp8_compile_blocker
 from polestar.fixtures import write_published_checkpoint
 from polestar.kernels.drift import kl_drift, reference_kl_drift
 from polestar.kernels.kmeans import kmeans_assign, reference_kmeans_assign
@@ -66,7 +65,6 @@ from polestar.kernels.quant import (
 )
 from polestar.models.published import published_model
 from polestar.output_files import write_atomic
-from polestar.step import LAYERS, compile_mode
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 #: device-memory bound of loading, as a multiple of the weights
@@ -110,8 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile-layers", type=int, default=None,
                     help="depth of step 4's model (default and at most --layers)")
     ap.add_argument("--compile-backend", default=None,
-                    help="torch.compile backend of step 4 (default inductor: what compile=True means on the device; "
-                         "'step': inductor's whole-step graphs, the layers as scans; --tiny on a CPU: eager)")
+                    help="torch.compile backend of step 4's layer regions (default inductor: what compile=True "
+                         "means; --tiny on a CPU: eager)")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                     help="dtype the checkpoint loads in (default bfloat16; --tiny on a CPU: float32, as bf16 matmuls "
                          "are emulated there)")
@@ -273,11 +271,8 @@ def time_forward(model, ids: torch.Tensor, reps: int = 3) -> float:
 
 
 def compile_arg(args) -> bool | str:
-    """What a compiled row passes as ``compile``: True for inductor (whole-step or ``"layers"`` by device, see
-    :func:`polestar.step.compile_mode`), ``"inductor"`` for ``step`` (the whole-step graph on any device: its runs
-    of layers are scans, :mod:`polestar.models.layer_scan`), else the backend's name."""
-    if args.compile_backend == "step":
-        return "inductor"
+    """What a compiled row passes as ``compile``: True for inductor (what ``compile=True`` means), else the
+    backend's name (the layer regions' backend, :func:`polestar.step.region_backend`)."""
     return True if args.compile_backend == "inductor" else args.compile_backend
 
 
@@ -328,7 +323,7 @@ def _decode_row(model, args, device, policy, batch, mode, layers, prompts, kw, o
            "ms_per_step": ms, "bound_ms": bound_ms, "x_bound": ms / bound_ms if bound_ms else None,
            "tps": batch * args.gen / s.wall_s, "nfe": s.nfe, "compiled_steps": s.compiled_steps,
            "compile_s": first.stats.compile_s, "peak_gb": peak_memory(device) / 1e9,
-           "compile_mode": str(compile_mode(kw["compile"], device)) if compiled else None,
+           "compile_mode": str(kw["compile"]) if compiled else None,
            "graph_replays": timed.replays if graphs and cuda else None,
            "graph_recordings": timed.recordings if graphs and cuda else None,
            "cudagraph_skips": warm.skips + timed.skips if graphs and cuda else None,
@@ -474,16 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         # cores it does not get, and the tiny steps take ten times longer
         torch.set_num_threads(1)
         print("# cpu: 1 intra-op thread (set OMP_NUM_THREADS to choose)", flush=True)
-    # the fp8 cast is compiled only into a whole-step graph: with compile="layers" the row store runs uncompiled
-    whole_step = compile_mode(compile_arg(args), device) != LAYERS
-    fp8_blocker = fp8_compile_blocker(device) if whole_step else None
-    print(f"# quant='fp8' with compile: {'refused: ' + fp8_blocker if fp8_blocker else 'allowed on this device'}",
-          flush=True)
     blocker = kernel_step_blocker(device)
     if blocker is not None:
         print(f"# step 6 (Triton kernels) will be skipped: {blocker}", flush=True)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="polestar-gpu-check-"))
-    result: dict = {"device": describe_device(device)[2:], "fp8_compile_blocker": fp8_blocker,
+    result: dict = {"device": describe_device(device)[2:],
                     "kernels_skipped": blocker, "policies": [], "kernels": []}
     try:
         start = time.perf_counter()
@@ -547,9 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                             keep(decode_row(small, args, device, policy, batch,
                                             "compiled" if compiled else "eager", args.compile_layers))
         if "compiled" in args.modes and args.fp8:
-            if fp8_blocker is not None:
-                print(f"\n# step 5: quant='fp8' compiled: refused: {fp8_blocker}")
-            elif budget.allows("polestar+fp8 compiled", COMPILE_RESERVE):
+            if budget.allows("polestar+fp8 compiled", COMPILE_RESERVE):
                 print(f"\n# step 5: quant='fp8' compiled at {args.compile_layers} layers\n{HEADER}")
                 keep(decode_row(small, args, device, "polestar", args.batches[0], "compiled", args.compile_layers,
                                 quant="fp8"))
