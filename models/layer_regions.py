@@ -173,8 +173,7 @@ class Regions(NamedTuple):
     project_rows: Callable
     decoder_layer: WritesBack
     feature_layer: WritesBack
-    #: how these regions were compiled (``compile(fn) -> compiled fn``), so that a stage's own regions
-    #: (:class:`StageRegion`) are compiled the same way; None where they are the plain functions
+    #: how these regions were compiled (``compile(fn) -> compiled fn``); None where they are the plain functions
     compile: Callable | None = None
 
 
@@ -219,24 +218,3 @@ def compiled_with(compile: Callable) -> Regions:
     backend)."""
     qkv_fn, attend_fn, project_fn, cached_fn = (compile(fn) for fn in PIECES)
     return Regions(qkv_fn, attend_fn, project_fn, *_passes(qkv_fn, attend_fn, cached_fn), compile)
-
-
-class StageRegion:
-    """A stage's own per-layer work as a region (Elastic-Cache's trigger test, a row store's read, ...): a pure
-    function of explicit tensors (and constants that are the same at every layer), compiled the way the active
-    regions were (:attr:`Regions.compile`, once per shape) or, with plain regions, the plain function. Use as a
-    decorator (``@StageRegion``)."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        self._compiled: dict[Callable, Callable] = {}
-        functools.update_wrapper(self, fn)
-
-    def __call__(self, *args):
-        compile = active().compile
-        if compile is None:
-            return self.fn(*args)
-        fn = self._compiled.get(compile)
-        if fn is None:
-            fn = self._compiled[compile] = compile(self.fn)
-        return fn(*args)

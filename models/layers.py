@@ -26,7 +26,16 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """:class:`RMSNorm` as a function of its weight, bias (or None) and epsilon."""
+    """:class:`RMSNorm` as a function of its weight, bias (or None) and epsilon. Inside ``torch.compile`` it is one
+    opaque operator (:func:`_rms_norm_op`) that runs this same eager code, so a compiled layer normalizes bit for bit
+    as an eager one: a compiler's own reduction order would change the last bits, and a decode's near-tie decisions
+    (a confidence at the threshold, a drift rank) with them."""
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(x, weight, bias, eps)
+    return _rms_norm_eager(x, weight, bias, eps)
+
+
+def _rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     dtype = x.dtype
     if dtype == weight.dtype == torch.float32 and bias is None:  # one fused op, bit-identical in fp32
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -34,6 +43,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * xf.to(dtype)
     return out if bias is None else out + bias
+
+
+@torch.library.custom_op("polestar_models::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:func:`rms_norm`'s eager code as one operator (what a compiled region calls)."""
+    return _rms_norm_eager(x, weight, bias, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class RopeTable(NamedTuple):

@@ -507,8 +507,11 @@ def step_reads(gen: Generation) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def _compile_settings():
-    """Everything static: shapes change only with the step's phase, and a stage option (a float threshold, an int
-    top-k) that differs between two policies stays a constant of each policy's graph, never a graph input that the
-    step would have to read back to the host."""
-    with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False, specialize_float=True):
+    """Everything static: a region is compiled once per shape it meets (the plan rows of each step phase, batch
+    sizes, window sizes), never with symbolic sizes. Dynamo keeps one cache entry per shape on the region's code,
+    shared by every backend and policy of the process, so the limits are raised from dynamo's defaults (8 per code
+    object, 256 in all): a session that decodes several policies, batch sizes and backends meets far more shapes,
+    and a region past the limit would stop compiling."""
+    with torch._dynamo.config.patch(recompile_limit=512, accumulated_recompile_limit=8192,
+                                    automatic_dynamic_shapes=False, specialize_float=True):
         yield

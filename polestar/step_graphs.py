@@ -36,6 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from polestar.models import layer_regions
+
 from .contracts import suspended
 
 #: what a step returns (:class:`~polestar.step.StepOutput`)
@@ -117,7 +119,9 @@ class ReplayTape:
         storages = list({t.untyped_storage().data_ptr(): t.untyped_storage() for t in self.buffers}.values())
         saved = [s.clone() for s in storages]  # whole storages: a buffer may be a view, even an expanded one
         recorder = _Recorder()
-        with recorder:
+        # dynamo runs no compiled code under a dispatch mode: the tape records the layer regions' plain functions
+        # (bit for bit what the compiled ones compute); a CUDA graph holds the compiled kernels themselves
+        with layer_regions.using(layer_regions.PLAIN), recorder:
             out = fn()
         self.tape = recorder.tape
         for storage, copy in zip(storages, saved):

@@ -288,7 +288,7 @@ class PolestarMembers(MemberStrategy):
         if packet is not None:  # the packet rows' new queries, from this layer's pass, replace the stored ones
             q_packet = q_extra[:, :, : self.n_kv]
             with scope("store"):
-                buf.qstore.write(layer, packet.rows, packet.valid, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
+                buf.qstore.write(layer, packet.rows, None, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
             cur = proxy_probs(ops, self.cache, layer, local.key_rope, q_extra[:, :, self.n_kv:], qkv.meter)
         with scope("drift"):

@@ -31,7 +31,6 @@ from attrs import validators as v
 
 from polestar.models.hooks import CachedFeatures
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layer_regions import StageRegion
 from polestar.models.plan import DecodeCache, Plan
 from polestar.registry import register
 from polestar.stages import LayerHook, RefreshSelector
@@ -158,10 +157,9 @@ class _FeatureHook(LayerHook):
         return pick
 
 
-@StageRegion
 def least_similar(fresh: torch.Tensor, cached: torch.Tensor, grid: float, n_pick: int) -> torch.Tensor:
     """The ``n_pick`` rows ``[B, n_pick]`` (least similar first) whose values ``fresh [B, Hkv, G, hd]`` are least
-    cosine-similar to ``cached`` (same shape), all heads of a row together (one compile region for every layer).
+    cosine-similar to ``cached`` (same shape), all heads of a row together.
     ``grid > 0``: similarities compared on that grid, ties to the earlier row; 0: the released code's ``topk``
     ranking, tie order included."""
     sim = F.cosine_similarity(_heads_last(fresh), _heads_last(cached), dim=-1)  # [B, G]

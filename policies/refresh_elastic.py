@@ -54,7 +54,6 @@ from polestar.kernels.proxy_attention import proxy_attention
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.hooks import LayerQKV
 from polestar.models.layer_ops import LayerOps
-from polestar.models.layer_regions import StageRegion
 from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
@@ -278,11 +277,10 @@ def _probs(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: 
     return proxy_attention(q.gather(2, slots[:, None, :, None].expand(-1, H, -1, hd)), keys, key_valid, scale)
 
 
-@StageRegion
 def retracked(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor,
               region_valid: torch.Tensor, masked: torch.Tensor, track: torch.Tensor, keep: torch.Tensor, scale: float,
               track_num: int, length: int) -> torch.Tensor:
-    """One layer's tracked tokens re-picked (one compile region for every layer): the ``track_num`` positions the
+    """One layer's tracked tokens re-picked: the ``track_num`` positions the
     window rows (queries ``q`` at plan slots ``slots [B, R]``, ``region_valid [B, R]``) attend to most, summed over
     heads and rows, never a position still ``masked [B, T]``; rows where ``keep [B]`` is False keep ``track
     [B, track_num]``. → ``[B, track_num]``."""
@@ -291,11 +289,10 @@ def retracked(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_vali
     return torch.where(keep[:, None], pick, track)
 
 
-@StageRegion
 def triggered(q: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, old: torch.Tensor,
               track_valid: torch.Tensor, fired: torch.Tensor, active: torch.Tensor, layer: torch.Tensor, scale: float,
               gamma: float, n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's trigger test (one compile region for every layer): the tracked tokens' attention now (queries
+    """One layer's trigger test: the tracked tokens' attention now (queries
     ``q`` at ``slots [B, K]``) against ``old [B, H, K, T + 1]`` (:func:`attention_cosine`); an active row not fired
     yet (``fired [B]`` is ``n_layers``) whose similarity fell below ``gamma`` fires at ``layer`` (0-d long).
     → the new ``fired [B]`` and the similarity ``[B]``."""

@@ -62,16 +62,18 @@ class RowStore:
         return _read_rows(self.quant, self.offload, self.dim, self.dtype, self.device, rows,
                           self.anchor[layer] if self.anchored[layer] else None, stored)
 
-    def write(self, layer: int, rows: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, layer: int, rows: torch.Tensor, valid: torch.Tensor | None, values: torch.Tensor) -> None:
         """Re-encode and store ``values [B, M, dim]`` at ``rows [B, M]`` where ``valid [B, M]``; invalid slots go to
-        the trash row, so every other row keeps its encoded bytes."""
+        the trash row, so every other row keeps its encoded bytes. ``valid`` None: ``rows`` already hold the trash
+        row where unused (a sparse update's members), and no mask is applied."""
         rows, leaves = self._encoded(rows, valid, values, self.anchor[layer] if self.anchored[layer] else None)
         self.offload.write_rows(self.stored[layer], rows, leaves)
 
     def _encoded(self, rows, valid, values, anchor):
         """Rows to write (invalid ones sent to the trash row) and the leaves of ``values`` encoded (residuals to
         ``anchor`` where given)."""
-        rows = torch.where(valid, rows, self.n_rows)
+        if valid is not None:
+            rows = torch.where(valid, rows, self.n_rows)
         payload = values.to(self.dtype)
         if anchor is not None:
             payload = payload - gather_rows(anchor, rows)

@@ -169,7 +169,7 @@ class SparseUpdate(LayerHook):
         kv = None
         if packet is not None:
             old = strategy.store.read(layer, packet.rows) if strategy.wants_old else None
-            strategy.store.write(layer, packet.rows, packet.valid, packet.out)
+            strategy.store.write(layer, packet.rows, None, packet.out)  # unused rows are the trash row (Selection)
             strategy.on_write(layer, packet, old)
             slots = strategy.slots(packet.rows)  # invalid slots hold the trash row (Selection): the trash slot
             kv = ExtraRows(packet.out, self.cache.positions.gather(1, slots), slots)

@@ -19,29 +19,24 @@ def small_model():
 
 
 def test_compiled_generation_matches_eager_without_graph_breaks(small_model):
+    torch._dynamo.reset()
     counters.clear()
     kw = dict(gen_length=24, block_length=8, threshold=0.3, stop_at_eos=False)
-    # Polestar's graphs hold fast-dllm's dual cache with the sparse updates, clusters, drift and quantized residuals
-    # on top; inductor compiles them here. Every policy is captured at dynamo's and AOT autograd's level in
-    # tests/test_step_capture.py (inductor's cold compile costs ~20 s a graph on a 2-core machine).
+    # inductor compiles Polestar's layer regions here (one per shape its phases meet); every policy's regions are
+    # checked at dynamo's and AOT autograd's level in tests/test_step_capture.py
     eager = polestar.generate(small_model, PROMPTS, policy="polestar", **kw)
     compiled = polestar.generate(small_model, PROMPTS, policy="polestar", compile=True, **kw)
     assert compiled.tokens.tolist() == eager.tokens.tolist()
-    # the cost counters come out of the compiled step as they do eagerly. Inductor fuses and reorders float
-    # ops, so hidden states differ from eager in the last bits; Polestar's k-means can then put a near-tie
-    # point in another cluster, and its members (their count) differ by a few rows. The exact equality of
-    # every counter is pinned with dynamo's capture alone in tests/test_step_capture.py.
+    # the cost counters are eager decoding's: the step's glue and stages run as Python either way
     counted = ("token_layer_evals", "proxy_query_evals", "weight_bytes", "kv_bytes")
     assert [getattr(compiled.stats, c) for c in counted] == [getattr(eager.stats, c) for c in counted]
     assert [s.nfe for s in compiled.stats.sequences] == [s.nfe for s in eager.stats.sequences]
     own = [(s.token_layer_evals, e.token_layer_evals) for s, e in zip(compiled.stats.sequences,
                                                                    eager.stats.sequences)]
-    assert all(abs(c - e) <= 0.02 * e for c, e in own), own
+    assert all(c == e for c, e in own), own
     assert dict(counters["graph_break"]) == {}
-    # one graph per step variant (block start, window refresh, sparse-update step, last block, ...), block starts
-    # included: the step ints are symbolic, so new blocks and steps replay graphs
-    assert 1 <= counters["stats"]["unique_graphs"] <= 6  # Polestar's six step phases at most
-    # a second generation reuses the graphs
+    assert counters["stats"]["unique_graphs"] > 0
+    # a second generation reuses the regions
     before = counters["stats"]["unique_graphs"]
     polestar.generate(small_model, PROMPTS, policy="polestar", compile=True, **kw)
     assert counters["stats"]["unique_graphs"] == before
@@ -68,11 +63,12 @@ def test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_an
     compiled = polestar.generate(model, prompts, compile=True, **kw)
     assert compiled.tokens.tolist() == eager.tokens.tolist()
     assert compiled.stats.sequences == eager.stats.sequences
-    assert counters["stats"]["unique_graphs"] == 1  # one plan shape: a single graph, no recompile as rows finish
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2  # one plan shape: q/k/v and attention-MLP, no recompile as rows finish
     assert dict(counters["graph_break"]) == {}
     swapped = polestar.generate(model, prompts[::-1], compile=True, **kw)  # the rows finish in swapped order
     assert swapped.tokens.tolist() == eager.tokens.flip(0).tolist()
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("compile, backend", [(False, None), (True, "inductor"), ("aot_eager", "aot_eager")])

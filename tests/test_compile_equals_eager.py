@@ -38,3 +38,20 @@ def test_compiled_decoding_equals_eager_item_by_item(name, policy):
             assert compiled.stats.sequences == eager.stats.sequences, (batch, start)
             assert [getattr(compiled.stats, c) for c in COUNTERS] == [getattr(eager.stats, c) for c in COUNTERS]
             assert compiled.stats.compiled_steps == compiled.stats.nfe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["polestar", "dllm-cache"])
+def test_eight_layers_compiled_with_inductor_equal_eager(policy):
+    """The depth where the removed whole-step compile aborted or changed tokens: a tiny-width LLaDA of 8 layers, one
+    prompt of 64 ids, 128 tokens in blocks of 32, two tokens per step, every block decoded."""
+    from polestar.bench.step_ops import PAPER
+    from polestar.testing import tiny_model
+
+    model = tiny_model("llada", seed=3, n_layers=8)
+    kw = PAPER.generate_kwargs(policy=policy)
+    eager = polestar.generate(model, PAPER.prompts, **kw)
+    compiled = polestar.generate(model, PAPER.prompts, compile=True, **kw)
+    assert compiled.tokens.tolist() == eager.tokens.tolist()
+    assert [getattr(compiled.stats, c) for c in COUNTERS] == [getattr(eager.stats, c) for c in COUNTERS]
+    assert compiled.stats.compiled_steps == compiled.stats.nfe == eager.stats.nfe

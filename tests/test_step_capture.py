@@ -84,6 +84,7 @@ def _check_against_eager(model, policy: str, batch: int, overrides=None, observe
     same tokens and counters, one host read per step, no region problem, nothing compiled again. ``observer``: a
     factory of ``(on_step, records)`` pairs; a fresh one watches the eager and the second compiled run, and the
     records it kept (read once the run ended) must be equal (an observed step runs uncaptured)."""
+    torch._dynamo.reset()  # each probe compiles the regions anew: no cache entries of other tests on their code
     observers = [observer() if observer else (None, list) for _ in range(3)]
     eager_tokens, eager_stats, eager_runner, eager_reads = _decode(model, policy, batch, False, overrides,
                                                                    on_step=observers[0][0], **shape)
