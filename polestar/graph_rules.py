@@ -28,6 +28,7 @@ calls gets the full route, with the same reports.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -139,7 +140,12 @@ def aot_input_metadata(gm: torch.fx.GraphModule, example_inputs):
     try:
         prepare, create_state, meta_type = _aot_internals()
         with contextlib.ExitStack() as stack:
-            prepared = prepare(gm, example_inputs, None, None, False, False, flatten=False)
+            # torch 2.11 takes a ``boxed_forward_device_index`` between these; later versions do not
+            named = dict(kwargs=None, decompositions=None, keep_inference_input_mutations=False,
+                         ignore_shape_env=False, flatten=False)
+            if "boxed_forward_device_index" in inspect.signature(prepare).parameters:
+                named["boxed_forward_device_index"] = None
+            prepared = prepare(gm, example_inputs, **named)
             functional_call, _, _, _, fake_flat_args, descs, aot_config, fake_mode, shape_env = prepared[:9]
             meta = create_state(stack, functional_call, fake_flat_args, descs, aot_config, fake_mode,
                                 shape_env).fw_metadata
@@ -151,8 +157,8 @@ def aot_input_metadata(gm: torch.fx.GraphModule, example_inputs):
 
 
 def _aot_internals():
-    """AOT autograd's input preparation, its analysis pass and the type of the analysis' result (torch 2.13's
-    layout)."""
+    """AOT autograd's input preparation, its analysis pass and the type of the analysis' result (torch 2.11 to
+    2.14's layout)."""
     from torch._functorch._aot_autograd.schemas import ViewAndMutationMeta
     from torch._functorch.aot_autograd import create_aot_state, prepare_aot_module_simplified
 

@@ -397,15 +397,27 @@ _CPU_INDUCTOR_OPTIONS = {"size_asserts": False, "scalar_asserts": False, "alignm
 
 def region_backend(compile: bool | str | Callable) -> str | Callable | None:
     """The ``torch.compile`` backend that a runner's ``compile`` argument compiles the layer regions with: None for
-    ``False`` (eager regions), :data:`DEFAULT_BACKEND` for ``True``, else the backend as given (a name such as
-    ``"aot_eager"``, or a backend callable such as :class:`polestar.graph_rules.GraphProbe`)."""
+    ``False`` (eager regions), :data:`DEFAULT_BACKEND` for ``True`` (and ``"layers"``, :data:`LAYERS`), else the
+    backend as given (a registered name such as ``"aot_eager"``, or a backend callable such as
+    :class:`polestar.graph_rules.GraphProbe`); an unknown name is a ``ValueError`` naming the known ones."""
     if compile is False or compile is None:
         return None
-    if compile is True:
+    if compile is True or compile == LAYERS:
         return DEFAULT_BACKEND
-    if isinstance(compile, str) or callable(compile):
+    if isinstance(compile, str):
+        known = torch._dynamo.list_backends(exclude_tags=()) + ["inductor"]
+        if compile not in known:
+            raise ValueError(f"compile={compile!r} is not a torch.compile backend; use compile=True (inductor), "
+                             f"False, or one of {', '.join(sorted(set(known)))}")
+        return compile
+    if callable(compile):
         return compile
     raise TypeError(f"compile must be a bool, a torch.compile backend name or a backend callable, not {compile!r}")
+
+
+#: what an earlier version called compiling the layer regions on their own: now what ``compile=True`` means
+#: everywhere, kept as a name for scripts that pass it
+LAYERS = "layers"
 
 
 def _region_options(device: torch.device, backend) -> dict | None:

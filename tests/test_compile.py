@@ -71,7 +71,8 @@ def test_compiled_batch_with_rows_finishing_in_different_blocks_compiles_once_an
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("compile, backend", [(False, None), (True, "inductor"), ("aot_eager", "aot_eager")])
+@pytest.mark.parametrize("compile, backend", [(False, None), (True, "inductor"), ("layers", "inductor"),
+                                              ("aot_eager", "aot_eager")])
 def test_compile_names_the_backend_of_the_layer_regions_made_once_per_backend(compile, backend):
     """``compile`` picks one thing: the backend the layer regions are compiled with (one route on every device). On
     a CPU inductor runs without its extern-kernel asserts; the compiled regions are made once per process and
@@ -97,3 +98,5 @@ def test_a_compile_argument_that_is_no_backend_is_one_clear_error():
 
     with pytest.raises(TypeError, match="compile must be a bool, a torch.compile backend name or a backend callable"):
         region_backend(3)
+    with pytest.raises(ValueError, match="compile='inductr' is not a torch.compile backend; use compile=True"):
+        region_backend("inductr")

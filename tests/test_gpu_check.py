@@ -194,6 +194,6 @@ def test_eager_rows_are_truly_eager_and_profile_lists_the_costliest_operations(c
 
 @pytest.mark.parametrize("backend, passed", [("inductor", True), ("aot_eager", "aot_eager"), ("eager", "eager")])
 def test_compile_backend_names_what_a_compiled_row_passes(backend, passed):
-    # inductor: what compile=True means on the device ("layers" on CUDA); step: the whole-step graphs on any device
+    # inductor: what compile=True means (the layer regions' backend); another name is passed as it is
     args = type("Args", (), {"compile_backend": backend})()
     assert check.compile_arg(args) == passed

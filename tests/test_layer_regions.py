@@ -165,7 +165,7 @@ def _regions_compiled_by(backend_graphs: list, layers: int, policy: str) -> torc
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fast-dllm", "polestar"])
 def test_regions_compiled_on_their_own_compile_once_whatever_the_depth(policy):
-    """``compile="layers"``: each region is compiled once per shape it meets, the same at 2 layers and at 4, and the
+    """Each region is compiled once per shape it meets, the same at 2 layers and at 4, and the
     decode gives the eager tokens."""
     shallow, deep = [], []
     tokens2 = _regions_compiled_by(shallow, 2, policy)
