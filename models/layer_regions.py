@@ -1,7 +1,7 @@
 """One decoder layer's model work as pure functions of explicit tensors, each compiled once and reused by every layer.
 
 A step calls these for every layer's model work (:meth:`~polestar.models.backbone.DiffusionLM.layer_step`). With
-``compile`` on, each is compiled on its own (:func:`compiled`, ``torch.compile(fullgraph=True, dynamic=False)``) and
+``compile`` on, each is compiled on its own (:func:`compiled`, ``torch.compile(fullgraph=True)``) and
 the compiled function is called at every layer: every per-layer difference is an argument tensor of the same shape
 (the layer's weights, its K/V cache) and every Python constant (head counts, the norm's epsilon) is the same at every
 layer, so one compile serves the whole depth, at 2 layers or 32. None of them writes to its inputs: the K/V writes
@@ -57,8 +57,10 @@ def qkv_rows(rows, norm, norm_bias, qkv, qkv_bias, cos, sin, eps: float, n_heads
 
 def _attend(q, keys, values, key_valid):
     """Scaled dot-product attention of ``q [B, H, Q, hd]`` over the valid cached keys → ``[B, Q, H · hd]``."""
-    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_valid[:, None, None, :],
-                                         enable_gqa=keys.shape[1] != q.shape[1])
+    # a branch, not an argument: where the head counts became symbolic, a compiled region guards on it (sdpa takes no
+    # symbolic bool)
+    gqa = True if keys.shape[1] != q.shape[1] else False  # noqa: SIM210
+    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_valid[:, None, None, :], enable_gqa=gqa)
     return att.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
@@ -201,13 +203,15 @@ def using(regions: Regions) -> Iterator[Regions]:
 
 
 def compiled(backend: str | Callable = "inductor", options: dict | None = None) -> Regions:
-    """Every region compiled on its own (``torch.compile(fullgraph=True, dynamic=False)``), made once per process,
-    backend and options: a step that calls these compiles one layer's code once per shape, whatever the depth. On
+    """Every region compiled on its own (``torch.compile(fullgraph=True)``), made once per process, backend and
+    options: a step that calls these compiles one layer's code for the first shape it meets and once more with the
+    sizes that changed symbolic (dynamo's automatic dynamic shapes: a new prompt length or batch size then compiles
+    nothing), whatever the depth. On
     CUDA the step is then captured whole as a CUDA graph (:class:`~polestar.step_graphs.StepGraphs`)."""
     key = (backend, repr(sorted((options or {}).items())))
     regions = _COMPILED.get(key)
     if regions is None:
-        compile = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
+        compile = functools.partial(torch.compile, fullgraph=True, backend=backend, options=options)
         regions = _COMPILED[key] = compiled_with(compile)
     return regions
 

@@ -6,7 +6,7 @@ riding along, prediction, the commit rule, the engine's progress guarantee, suff
 the counters and the per-block "work left" flags the loop reads. It reads nothing back to the host.
 
 How a step runs is one rule on every device (:class:`StepRunner`): the model work of each layer goes through the
-layer regions (:mod:`polestar.models.layer_regions`, pure functions of one layer's tensors), compiled once per shape
+layer regions (:mod:`polestar.models.layer_regions`, pure functions of one layer's tensors), compiled once
 with ``compile=True`` and called at every layer; on CUDA the whole step, stages and compiled regions included, is
 captured as one CUDA graph per step phase and replayed (:mod:`polestar.step_graphs`).
 
@@ -431,7 +431,8 @@ class StepRunner:
     * the step is :func:`run_step`, plain Python over the generation's persistent buffers; its model work goes through
       the layer regions (:mod:`polestar.models.layer_regions`), pure functions of one layer's tensors;
     * ``compile`` (``True``, a backend name or a backend callable, :func:`region_backend`) compiles each region once
-      per shape with ``torch.compile(fullgraph=True, dynamic=False)`` and calls the compiled region at every layer, so
+      with ``torch.compile(fullgraph=True)`` (a size that changes between calls becomes symbolic at its second value, so
+      new prompt lengths and batch sizes do not recompile) and calls the compiled region at every layer, so
       compile time does not grow with depth; ``False`` runs the regions as plain functions;
     * on CUDA each step phase is captured as one CUDA graph and replayed (:class:`~polestar.step_graphs.StepGraphs`;
       ``graphs`` overrides this, see :func:`_step_graphs`): the step's glue, the stages and the compiled regions are
@@ -519,11 +520,11 @@ def step_reads(gen: Generation) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def _compile_settings():
-    """Everything static: a region is compiled once per shape it meets (the plan rows of each step phase, batch
-    sizes, window sizes), never with symbolic sizes. Dynamo keeps one cache entry per shape on the region's code,
-    shared by every backend and policy of the process, so the limits are raised from dynamo's defaults (8 per code
-    object, 256 in all): a session that decodes several policies, batch sizes and backends meets far more shapes,
-    and a region past the limit would stop compiling."""
+    """A region is compiled for the first shape it meets and again, with the sizes that changed symbolic, at the
+    second (dynamo's automatic dynamic shapes): a bench over prompts of many lengths compiles each region about
+    twice, not once per length. Floats (a stage option) stay constants. Dynamo keeps its cache entries on the
+    region's code, shared by every backend and policy of the process, so the limits are raised from dynamo's
+    defaults (8 per code object, 256 in all): a region past the limit would stop compiling."""
     with torch._dynamo.config.patch(recompile_limit=512, accumulated_recompile_limit=8192,
-                                    automatic_dynamic_shapes=False, specialize_float=True):
+                                    automatic_dynamic_shapes=True, specialize_float=True):
         yield

@@ -106,7 +106,10 @@ def _check_against_eager(model, policy: str, batch: int, overrides=None, observe
     assert tokens.tolist() == eager_tokens.tolist()
     assert [getattr(stats, c) for c in COUNTERS] == [getattr(eager_stats, c) for c in COUNTERS]
     assert stats.sequences == eager_stats.sequences
-    assert probe.problems() == []
+    # a region's sizes may be symbolic inputs (compiled once for every prompt length); a captured step fixes them, so
+    # the rules are on what a region writes and on memory shared between its inputs
+    assert [p for g in probe.graphs for p in g.problems() if "int inputs" not in p] == []
+    assert not any(g.mutated or g.aliased for g in probe.graphs)
     return probe, runner
 
 

@@ -22,7 +22,8 @@ def model():
 def test_new_pipelines_and_generations_of_one_composition_reuse_the_regions():
     """A second pipeline object (every ``generate`` call assembles one) with a new generation of the same shape
     compiles nothing: the regions take tensors only."""
-    model = make_model("llada", seed=6, n_layers=2, d_model=32)  # its own: no pooled generation, no bound graph
+    model = make_model("llada", seed=6, n_layers=2, d_model=32)  # its own: no pooled generation
+    torch._dynamo.reset()  # no cache entries of other tests' shapes on the regions' code
     counters.clear()
     polestar.generate(model, [[5, 7, 1, 3], [3, 4]], policy="polestar-cache", compile="eager", **KW)
     graphs = counters["stats"]["unique_graphs"]
