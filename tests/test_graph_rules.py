@@ -138,12 +138,15 @@ def test_both_routes_report_a_decoding_step_alike():
     config = GenerationConfig(gen_length=8, block_length=4, stop_at_eos=False)
     runs = []
     for aot_graph in (False, True):
+        torch._dynamo.reset()  # each route compiles the same regions from the same (static) start
         pipeline = assemble("fast-dllm", {"threshold": 0.3})
         probe = GraphProbe(aot_graph=aot_graph)
         runner = StepRunner(probe, ids.device, pipeline)
         tokens, _ = decode(model, ids, mask, pipeline, config, runner=runner)
-        runs.append((tokens.tolist(), [g._replace(name="") for g in probe.graphs]))
-    assert runs[0] == runs[1] and runs[0][1] and not any(g.problems() for g in runs[0][1])
+        # what the rules read (torch 2.11's two routes list different static inputs of graphs that mutate none)
+        runs.append((tokens.tolist(), [(g.inputs, g.mutated, g.mutated_not_static, g.int_inputs, g.aliased)
+                                       for g in probe.graphs]))
+    assert runs[0] == runs[1] and runs[0][1] and not any(mutated for _, mutated, *_ in runs[0][1])
 
 
 def test_inputs_that_share_memory_are_reported():
