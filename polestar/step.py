@@ -389,10 +389,15 @@ def pipeline_checked(pipeline: Pipeline) -> bool:
 #: what ``compile=True`` compiles the layer regions with
 DEFAULT_BACKEND = "inductor"
 
-#: inductor options of the layer regions on a CPU: without the checks of every extern kernel's output sizes, strides
-#: and alignment (a region's shapes are static). On CUDA inductor's defaults (the step around the regions is captured
-#: as a CUDA graph by :class:`~polestar.step_graphs.StepGraphs`)
-_CPU_INDUCTOR_OPTIONS = {"size_asserts": False, "scalar_asserts": False, "alignment_asserts": False}
+#: inductor options of the layer regions on every device: a bf16 / fp16 intermediate is rounded to its dtype after
+#: each operation, as eager rounds it (inductor otherwise keeps a fused kernel's intermediates in fp32: other last
+#: bits, and a near-tie decision such as dLLM-Cache's value pick flips; fp32 code is unchanged by it)
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+#: inductor options of the layer regions on a CPU: also without the checks of every extern kernel's output sizes,
+#: strides and alignment (debug checks that cost a call each). On CUDA :data:`_INDUCTOR_OPTIONS` alone (the step
+#: around the regions is captured as a CUDA graph by :class:`~polestar.step_graphs.StepGraphs`)
+_CPU_INDUCTOR_OPTIONS = {**_INDUCTOR_OPTIONS, "size_asserts": False, "scalar_asserts": False,
+                         "alignment_asserts": False}
 
 
 def region_backend(compile: bool | str | Callable) -> str | Callable | None:
@@ -421,8 +426,11 @@ LAYERS = "layers"
 
 
 def _region_options(device: torch.device, backend) -> dict | None:
-    """Inductor options of the regions: :data:`_CPU_INDUCTOR_OPTIONS` for inductor on a CPU, else None."""
-    return _CPU_INDUCTOR_OPTIONS if backend == "inductor" and device.type != "cuda" else None
+    """Inductor options of the regions: :data:`_CPU_INDUCTOR_OPTIONS` for inductor on a CPU,
+    :data:`_INDUCTOR_OPTIONS` for inductor on CUDA, else None."""
+    if backend != "inductor":
+        return None
+    return _CPU_INDUCTOR_OPTIONS if device.type != "cuda" else _INDUCTOR_OPTIONS
 
 
 class StepRunner:

@@ -88,8 +88,8 @@ def test_compile_names_the_backend_of_the_layer_regions_made_once_per_backend(co
         assert runner.regions is None and again.regions is None
         return
     assert runner.regions is again.regions and runner.regions.compile is not None
-    cpu_options = layer_regions.compiled(backend, options={"size_asserts": False, "scalar_asserts": False,
-                                                           "alignment_asserts": False})
+    cpu_options = layer_regions.compiled(backend, options={"emulate_precision_casts": True, "size_asserts": False,
+                                                           "scalar_asserts": False, "alignment_asserts": False})
     assert (runner.regions is cpu_options) == (backend == "inductor")
 
 

@@ -55,3 +55,18 @@ def test_eight_layers_compiled_with_inductor_equal_eager(policy):
     assert compiled.tokens.tolist() == eager.tokens.tolist()
     assert [getattr(compiled.stats, c) for c in COUNTERS] == [getattr(eager.stats, c) for c in COUNTERS]
     assert compiled.stats.compiled_steps == compiled.stats.nfe == eager.stats.nfe
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["polestar", "dllm-cache"])
+def test_bfloat16_compiled_equals_eager(policy):
+    """In bf16 inductor would keep a fused kernel's intermediates in fp32 (other last bits than eager, which rounds
+    after each operation): the regions are compiled with ``emulate_precision_casts``, and tokens stay eager's."""
+    model = polestar.load("tiny-llada", dtype=torch.bfloat16, device="cpu")
+    task = get_task("arith")
+    prompts = [task.format_prompt(p.input) for p in load_problems("arith", N_PROBLEMS)]
+    for prompt in prompts:
+        eager = polestar.generate(model, [prompt], policy=policy)
+        compiled = polestar.generate(model, [prompt], policy=policy, compile=True)
+        assert compiled.tokens.tolist() == eager.tokens.tolist()
+        assert [getattr(compiled.stats, c) for c in COUNTERS] == [getattr(eager.stats, c) for c in COUNTERS]
