@@ -16,12 +16,15 @@ from polestar.cli_checks import UsageError, parse_sets, working
 
 def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_size: int) -> None:
     """Model, task, policies and problems of `bench` and `anatomy`."""
-    p.add_argument("--model", default="tiny-llada")
-    p.add_argument("--task", default="arith")
-    p.add_argument("--policies", default=policies, help="comma-separated policy names")
+    p.add_argument("--model", default="tiny-llada",
+                   help="a shipped checkpoint name or an HF-format directory (default tiny-llada)")
+    p.add_argument("--task", default="arith", help="the task whose problems are generated (default arith)")
+    p.add_argument("--policies", default=policies, help=f"comma-separated policy names (default {policies})")
     p.add_argument("--n", "--num-problems", dest="n", type=int, default=n,
-                   help="number of problems (write --num-problems under torchrun, whose parser takes --n for its own)")
-    p.add_argument("--batch-size", type=int, default=batch_size)
+                   help=f"number of problems (default {n}; write --num-problems under torchrun, whose parser takes "
+                        "--n for its own)")
+    p.add_argument("--batch-size", type=int, default=batch_size,
+                   help=f"problems decoded together (default {batch_size})")
     p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated problems")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")

@@ -54,7 +54,8 @@ def policy_names() -> list[str]:
 def get_policy(name: str) -> PolicySpec:
     names = policy_names()
     if name not in _POLICIES:
-        raise UnknownNameError(f"unknown policy {name!r}; registered policies: {', '.join(names)}")
+        raise UnknownNameError(f"unknown policy {name!r}{registry.did_you_mean(name, names)}; registered policies: "
+                               f"{', '.join(names)}")
     return _POLICIES[name]
 
 
@@ -166,5 +167,20 @@ def _check_consumed(policy: str, kind: str, chosen: dict[str, str]) -> None:
 
 def _unknown_option(key: str, fields: dict[str, dict[str, Any]]) -> str:
     valid = sorted({opt for f in fields.values() for opt in f} | {f"{k}.{o}" for k, f in fields.items() for o in f})
-    return (f"unknown option {key!r} for this policy; valid options: {', '.join(valid) or 'none'} "
-            f"(or a stage kind: {', '.join(registry.KINDS)})")
+    return (f"unknown option {key!r} for this policy{_elsewhere(key, fields) or registry.did_you_mean(key, valid)}; "
+            f"valid options: {', '.join(valid) or 'none'} (or a stage kind: {', '.join(registry.KINDS)})")
+
+
+def _elsewhere(key: str, fields: dict[str, dict[str, Any]]) -> str:
+    """Where an option ``kind.option`` the policy's ``kind`` stage lacks lives: `` ('tau' is an option of the
+    drift stage 'peakjs': select it with --set drift=peakjs)``, or "" (no registered stage of that kind has it)."""
+    kind, _, option = key.partition(".")
+    if not option or kind not in registry.KINDS:
+        return ""
+    owners = [name for name in registry.names(kind)
+              if option in attrs.fields_dict(registry.lookup(kind, name).Config)]
+    chosen = fields.get(kind)
+    if not owners or (chosen is not None and option in chosen):
+        return ""
+    which = " or ".join(repr(n) for n in owners)
+    return f" ({option!r} is an option of the {kind} stage {which}: select that stage, {kind}={owners[0]})"

@@ -13,6 +13,7 @@ The registry imports no stage: stage modules register themselves when imported. 
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,19 @@ class UnknownNameError(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+def did_you_mean(name: str, candidates) -> str:
+    """`` (did you mean 'x'?)`` for the candidates closest to ``name`` (``_`` and ``-`` and case read alike), or ""
+    when none is close: the hint an unknown name's error ends with."""
+    def norm(text: str) -> str:
+        return text.lower().replace("_", "-")
+
+    by_norm = {norm(c): c for c in candidates}
+    close = difflib.get_close_matches(norm(name), list(by_norm), n=3, cutoff=0.7)
+    if not close:
+        return ""
+    return f" (did you mean {' or '.join(repr(by_norm[c]) for c in close)}?)"
 
 
 def register(kind: str, name: str) -> Callable[[type[T]], type[T]]:
@@ -102,14 +116,15 @@ def names(kind: str) -> list[str]:
 def _known_kind(kind: str) -> None:
     """An undeclared kind is an :class:`UnknownNameError` listing the declared ones."""
     if kind not in KINDS:
-        raise UnknownNameError(f"unknown stage kind {kind!r}; kinds: {', '.join(KINDS)}")
+        raise UnknownNameError(f"unknown stage kind {kind!r}{did_you_mean(kind, KINDS)}; kinds: {', '.join(KINDS)}")
 
 
 def lookup(kind: str, name: str) -> type:
     """The stage class registered as ``kind`` / ``name``; an unknown name lists the registered ones."""
     registered = names(kind)
     if name not in registered:
-        raise UnknownNameError(f"unknown {kind} stage {name!r}; registered {kind} stages: {', '.join(registered)}")
+        raise UnknownNameError(f"unknown {kind} stage {name!r}{did_you_mean(name, registered)}; registered {kind} "
+                               f"stages: {', '.join(registered)}")
     return _REGISTRY[kind][name]
 
 

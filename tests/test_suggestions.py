@@ -1,0 +1,43 @@
+"""An unknown name ends its one-line error with the closest registered names (``_`` and ``-`` read alike), and an
+option of a stage the policy did not select names that stage."""
+
+import pytest
+
+from polestar import registry
+from polestar.policy import assemble, get_policy
+
+
+def test_a_policy_name_with_an_underscore_suggests_the_registered_one():
+    with pytest.raises(registry.UnknownNameError, match=r"unknown policy 'polestar_cache' \(did you mean "
+                                                        r"'polestar-cache'"):
+        get_policy("polestar_cache")
+
+
+def test_a_misspelt_option_suggests_the_option():
+    with pytest.raises(ValueError, match=r"unknown option 'tresh' for this policy \(did you mean 'threshold'\?\)"):
+        assemble("fast-dllm", {"tresh": 0.5})
+
+
+def test_an_option_of_a_stage_not_selected_names_that_stage():
+    with pytest.raises(ValueError, match=r"unknown option 'commit.alpha' for this policy \('alpha' is an option of "
+                                         r"the commit stage 'polestar': select that stage, commit=polestar\)"):
+        assemble("fast-dllm", {"commit.alpha": 5.0})
+
+
+def test_a_misspelt_stage_suggests_the_stage():
+    with pytest.raises(registry.UnknownNameError, match=r"unknown drift stage 'kll' \(did you mean 'kl'\?\)"):
+        registry.lookup("drift", "kll")
+
+
+def test_nothing_close_suggests_nothing():
+    assert registry.did_you_mean("zzzz", ["fast-dllm", "polestar"]) == ""
+    assert registry.did_you_mean("FAST_DLLM", ["fast-dllm", "polestar"]) == " (did you mean 'fast-dllm'?)"
+
+
+def test_bench_help_shows_the_defaults(capsys):
+    from polestar.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default tiny-llada)", "(default arith)", "(default 200;", "(default 1)"):
+        assert shown in out, shown
