@@ -1,5 +1,6 @@
-"""An unknown name ends its one-line error with the closest registered names (``_`` and ``-`` read alike), and an
-option of a stage the policy did not select names that stage."""
+"""What a user reads: an unknown name ends its one-line error with the closest registered names (``_`` and ``-``
+read alike), an option of a stage the policy did not select names that stage, ``bench --help`` shows its defaults,
+and ``generate --compile`` says when compiling starts and ends."""
 
 import pytest
 
@@ -41,3 +42,17 @@ def test_bench_help_shows_the_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for shown in ("(default tiny-llada)", "(default arith)", "(default 200;", "(default 1)"):
         assert shown in out, shown
+
+
+@pytest.mark.slow
+def test_generate_says_when_compiling_starts_and_ends(capsys):
+    """``generate --compile`` says before the first batch that it compiles, and how long it took after it (the
+    silence of a first compiled batch looked like a hang)."""
+    from polestar.cli import main
+
+    assert main(["generate", "--model", "tiny-llada", "--task", "arith", "--prompt", "3+4*2", "--prompt", "7*3-2",
+                 "--batch-size", "1", "--policy", "fast-dllm", "--compile"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    start = next(i for i, line in enumerate(err) if line.startswith("compiling fast-dllm: its layer regions"))
+    assert err[start + 1].startswith("compiled in ") and err[start + 1].endswith(" s")
+    assert sum(line.startswith("compiled in") for line in err) == 1  # the second batch reuses the regions
