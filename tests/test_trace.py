@@ -231,6 +231,19 @@ def test_bad_arguments_are_usage_errors(tmp_path, capsys, argv, message):
     assert not (tmp_path / "t").exists()
 
 
+def test_an_out_folder_inside_a_missing_folder_is_the_same_error_as_bench_json(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert main(["trace", "--model", "tiny-llada", "--policies", "fast-dllm", "--task", "sudoku",
+                 "--out", str(missing / "t")]) == 2
+    trace_err = capsys.readouterr().err
+    assert main(["bench", "--policies", "fast-dllm", "--n", "2", "--json", str(missing / "out.json")]) == 2
+    bench_err = capsys.readouterr().err
+    for err in (trace_err, bench_err):
+        assert f"directory {missing} does not exist; create it first (mkdir -p {missing})" in err, err
+        assert err.count("\n") == 1
+    assert not missing.exists()
+
+
 PLUGIN = textwrap.dedent('''
     import attrs
 

@@ -22,7 +22,8 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", type=int, default=None, help="the task's test item to decode (0 = the first)")
     p.add_argument("--data", default=None, help="JSONL with {input, output} records instead of generated items")
     p.add_argument("--policies", default="fast-dllm,polestar", help="one policy, or two side by side (comma-separated)")
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for trace.html, trace.json and the PNGs")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for trace.html, trace.json and the PNGs (created inside an existing folder)")
     p.add_argument("--title", default=None, help="the page's title (default: the policies, model and item)")
     p.add_argument("--no-png", dest="png", action="store_false", help="write the HTML page and data only")
 
@@ -79,6 +80,10 @@ def run_trace_cli(args, sets: dict[str, Any], decoding: dict[str, Any]) -> int:
     cc.check_outside_source_or_usage("--out", out)
     if out.exists() and not out.is_dir():
         raise cc.UsageError(f"--out {args.out} is a file; give a folder (it is created when missing)")
+    parent = out.expanduser().parent
+    if not out.exists() and not parent.is_dir():  # the rule of every output flag: its folder must exist
+        raise cc.UsageError(f"--out {args.out}: directory {parent} does not exist; create it first "
+                            f"(mkdir -p {parent})")
     if args.png:
         try:
             from polestar.tracing.png import check_backend
