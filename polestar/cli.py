@@ -274,7 +274,9 @@ def cmd_generate(args) -> int:
                              "incomplete (a float32 run may avoid it: --dtype float32)")
     s = RunStats.merge([out.stats for _, out in outs])
     compiled = f" compile={s.compile_s:.2f}s compiled_steps={s.compiled_steps}" if args.compile else ""
-    print(f"[{args.policy}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s{compiled} "
+    drift = outs[0][1].pipeline.describe().get("drift") if outs else None  # the metric a drift policy runs on
+    label = args.policy + (f" drift={drift['name']}" if drift else "")
+    print(f"[{label}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s{compiled} "
           f"token_layer_evals={s.token_layer_evals} proxy_query_evals={s.proxy_query_evals} "
           f"weight_bytes/token={s.weight_bytes_per_token:.0f} weight_bytes/step={s.weight_bytes_per_step:.0f} "
           f"kv_bytes={s.kv_bytes}", file=sys.stderr)
@@ -312,19 +314,29 @@ def cmd_policies(args) -> int:
             for kind in registry.KINDS
         },
         "presets": {name: presets.get_preset(name).as_dict() for name in presets.preset_names()},
+        # stages from outside the package (plugins), by kind and name: the file each was loaded from
+        "plugins": {
+            kind: {name: registry.source_file(registry.lookup(kind, name)) or registry.lookup(kind, name).__module__
+                   for name in registry.names(kind) if not registry.is_builtin(registry.lookup(kind, name))}
+            for kind in registry.KINDS
+        },
     }
+    info["plugins"] = {kind: found for kind, found in info["plugins"].items() if found}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
+    plugins = info["plugins"]
     print("policies:")
     for name, p in info["policies"].items():
-        stages = ", ".join(f"{k}={v}" for k, v in p["stages"].items())
+        stages = ", ".join(f"{k}={v}" + (" [plugin]" if v in plugins.get(k, {}) else "")
+                           for k, v in p["stages"].items())
         print(f"  {name:18s} {stages}\n  {'':18s} {p['description']}")
     print("stages:")
     for kind, stages in info["stages"].items():
         for name, cfg in stages.items():
             opts = ", ".join(f"{k}={v}" for k, v in cfg.items()) or "-"
-            print(f"  {kind:8s} {name:14s} {opts}")
+            where = f"  [plugin: {plugins[kind][name]}]" if name in plugins.get(kind, {}) else ""
+            print(f"  {kind:8s} {name:14s} {opts}{where}")
     print("presets (`polestar presets` for their settings):")
     for name, p in info["presets"].items():
         print(f"  {name:22s} {p['description']}")

@@ -1,6 +1,7 @@
 """What a user reads: an unknown name ends its one-line error with the closest registered names (``_`` and ``-``
 read alike), an option of a stage the policy did not select names that stage, ``bench --help`` shows its defaults,
-and ``generate --compile`` says when compiling starts and ends."""
+``generate --compile`` says when compiling starts and ends, ``generate``'s stats line names the drift metric, and
+``policies`` marks the stages a plugin added."""
 
 import pytest
 
@@ -56,3 +57,30 @@ def test_generate_says_when_compiling_starts_and_ends(capsys):
     start = next(i for i, line in enumerate(err) if line.startswith("compiling fast-dllm: its layer regions"))
     assert err[start + 1].startswith("compiled in ") and err[start + 1].endswith(" s")
     assert sum(line.startswith("compiled in") for line in err) == 1  # the second batch reuses the regions
+
+
+def test_the_stats_line_of_generate_names_the_drift_metric(capsys):
+    from polestar.cli import main
+
+    assert main(["generate", "--model", "tiny-llada", "--task", "arith", "--prompt", "3+4*2", "--policy", "polestar",
+                 "--set", "drift=js"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith("[polestar drift=js] nfe=")
+    assert main(["generate", "--model", "tiny-llada", "--task", "arith", "--prompt", "3+4*2", "--policy",
+                 "fast-dllm"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith("[fast-dllm] nfe=")
+
+
+def test_policies_marks_plugin_stages_with_their_file(capsys, isolated_registry):
+    import json
+    from pathlib import Path
+
+    from polestar.cli import main
+
+    plugin = Path(__file__).parent.parent / "docs" / "examples" / "drift_hellinger.py"
+    assert main(["policies", "--plugin", str(plugin)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    hellinger = next(line for line in lines if " hellinger " in line)
+    assert hellinger.strip().startswith("drift") and hellinger.endswith(f"[plugin: {plugin.resolve()}]")
+    assert not any("[plugin" in line for line in lines if " kl " in line)
+    assert main(["policies", "--json", "--plugin", str(plugin)]) == 0
+    assert json.loads(capsys.readouterr().out)["plugins"] == {"drift": {"hellinger": str(plugin.resolve())}}
