@@ -12,6 +12,7 @@ from . import contracts, registry
 from .overrides import Overrides
 from .registry import UnknownNameError
 from .stage_kinds import KINDS, engine_driven
+from .stages import Capability
 
 
 @attrs.frozen
@@ -116,6 +117,9 @@ def assemble(policy: str, overrides: Overrides | Mapping[str, Any] | None = None
         if kind in chosen:
             chosen[kind] = name
     _add_required(chosen)
+    refusal = composition_refusal(chosen.get("refresh"), chosen.get("commit"))
+    if refusal is not None:
+        raise ValueError(refusal)
     fields = {kind: registry.config_fields(kind, name) for kind, name in chosen.items()}
     unknown = overrides.unconsumed(fields)
     if unknown:
@@ -129,6 +133,52 @@ def assemble(policy: str, overrides: Overrides | Mapping[str, Any] | None = None
     for stage in stages.values():
         stage.bind(stages)
     return Pipeline(policy, stages)
+
+
+def composition_refusal(refresh: str | None, commit: str | None) -> str | None:
+    """Why refresh stage ``refresh`` and commit stage ``commit`` cannot decode together (one line naming both and
+    the reason), or None when they can: the commit rule needs a :class:`~polestar.stages.Capability` the selector
+    does not serve (:attr:`~polestar.stages.CommitRule.needs`, :attr:`~polestar.stages.RefreshSelector.not_served`)."""
+    if refresh is None or commit is None:
+        return None
+    selector, rule = registry.lookup("refresh", refresh), registry.lookup("commit", commit)
+    missing = [c for c in Capability if c in rule.needs and c in selector.not_served]
+    if not missing:
+        return None
+    need = missing[0]
+    return (f"commit stage {commit!r} cannot decode with refresh stage {refresh!r}: it needs {need.value}, which "
+            f"{refresh!r} does not serve ({selector.not_served[need]}); pick another commit rule or refresh stage")
+
+
+def composition_matrix(builtin_only: bool = False) -> dict[tuple[str, str], str | None]:
+    """Every registered (refresh, commit) pair → its :func:`composition_refusal` (None: they decode together);
+    ``builtin_only``: the package's own stages only (not plugins')."""
+    def names(kind: str) -> list[str]:
+        return [n for n in registry.names(kind)
+                if not builtin_only or registry.is_builtin(registry.lookup(kind, n))]
+
+    return {(r, c): composition_refusal(r, c) for r in names("refresh") for c in names("commit")}
+
+
+def composition_table(builtin_only: bool = True) -> str:
+    """:func:`composition_matrix` as a Markdown table (refresh stages as rows, commit rules as columns: "yes", or
+    "no" with the missing :class:`~polestar.stages.Capability`), the one the docs show (the package's own stages;
+    ``builtin_only=False`` adds plugins')."""
+    matrix = composition_matrix(builtin_only)
+    commits = sorted({c for _, c in matrix})
+    refreshes = sorted({r for r, _ in matrix})
+    needs = {c: [cap for cap in Capability if cap in registry.lookup("commit", c).needs] for c in commits}
+
+    def cell(r: str, c: str) -> str:
+        if matrix[(r, c)] is None:
+            return "yes"
+        missing = [cap for cap in needs[c] if cap in registry.lookup("refresh", r).not_served]
+        return "no: " + ", ".join(cap.name.lower().replace("_", " ") for cap in missing)
+
+    lines = ["| refresh \\ commit | " + " | ".join(f"`{c}`" for c in commits) + " |",
+             "|---|" + "---|" * len(commits)]
+    lines += [f"| `{r}` | " + " | ".join(cell(r, c) for c in commits) + " |" for r in refreshes]
+    return "\n".join(lines)
 
 
 def _add_required(chosen: dict[str, str]) -> None:

@@ -26,7 +26,8 @@ What stages hand each other within a step travels in typed return values and arg
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import enum
+from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -118,6 +119,17 @@ class AfterStep(NamedTuple):
 NOTHING_AHEAD = AfterStep()
 
 
+class Capability(enum.Enum):
+    """What a commit rule may need from the refresh selector's forward (:attr:`CommitRule.needs`), and a selector
+    may not serve (:attr:`RefreshSelector.not_served`). :func:`polestar.assemble` refuses a composition whose commit
+    rule needs what its selector does not serve, before any work, naming both stages and the reason."""
+
+    #: the attention rows of the committed positions at a layer, from the forward itself (an attention probe)
+    ATTENTION_PROBE = "the attention rows of the committed positions from the forward (an attention probe)"
+    #: a commit region that is the current block, the same columns at every step of it
+    BLOCK_REGION = "a commit region that is the current block"
+
+
 class RefreshSelector(Stage):
     """Decides which positions each layer recomputes (the :class:`~polestar.models.plan.Plan`) at each step.
 
@@ -127,6 +139,8 @@ class RefreshSelector(Stage):
     """
 
     needs_hidden: bool = False
+    #: what this selector's forward does not serve a commit rule (:class:`Capability`), each with the reason
+    not_served: Mapping[Capability, str] = {}
 
     def region(self):
         """The commit-region schedule this selector plans for (:mod:`polestar.region`): default the current block
@@ -177,6 +191,8 @@ class CommitRule(Stage):
 
     wants_packet: bool = False
     needs_random: bool = False
+    #: what this rule needs from the refresh selector's forward (:class:`Capability`)
+    needs: frozenset = frozenset()
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState,
                local: Any) -> CommitSelection:  # pragma: no cover - abstract

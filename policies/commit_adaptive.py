@@ -16,7 +16,7 @@ from attrs import validators as v
 from polestar.models.backbone import AttentionProbe
 from polestar.models.plan import Plan
 from polestar.registry import register
-from polestar.stages import CommitFloor, CommitRule
+from polestar.stages import Capability, CommitFloor, CommitRule
 from polestar.state import CommitSelection, DecodeState, Prediction, SuffixCommit, propose, token_log_probs
 
 from .commit_basic import _threshold_validator, rank_descending, threshold_transfer
@@ -44,6 +44,7 @@ class PolestarCommit(CommitRule):
 
     wants_packet = True
     requires = ("drift",)
+    needs = frozenset({Capability.ATTENTION_PROBE, Capability.BLOCK_REGION})
 
     def bind(self, stages: dict) -> None:
         self.drift = stages["drift"]  # the policy's drift metric scores the block's attention change
@@ -176,6 +177,8 @@ class KLASSCommit(CommitRule):
     confidence ≥ ``min_confidence``; the most confident token is always committed. The KL is taken between the
     distributions the tokens are drawn from (:func:`~polestar.state.token_log_probs`, the mask token excluded).
     Shapes: ``[B, bl]``."""
+
+    needs = frozenset({Capability.BLOCK_REGION})  # the previous step's distributions, column by column
 
     @attrs.frozen
     class Config:

@@ -33,7 +33,7 @@ from polestar.models.hooks import CachedFeatures
 from polestar.models.layer_ops import LayerOps
 from polestar.models.plan import DecodeCache, Plan
 from polestar.registry import register
-from polestar.stages import LayerHook, RefreshSelector
+from polestar.stages import Capability, LayerHook, RefreshSelector
 from polestar.state import DecodeState, StepPosition
 
 from .refresh_basic import block_start_plan
@@ -63,6 +63,9 @@ class DLLMCacheRefresh(RefreshSelector):
     ``similarity_grid``: 0 ranks the value cosines exactly as the released code does (``topk``); ``g > 0`` compares
     them rounded to multiples of ``g``, ties to the earlier position, so that cosines within rounding noise of each
     other (which a padded batch moves by a few ulps) pick the same rows alone and in a batch."""
+
+    not_served = {Capability.ATTENTION_PROBE: "its layers above the first reuse cached attention outputs for the "
+                                              "rows they do not recompute"}
 
     @attrs.frozen
     class Config:

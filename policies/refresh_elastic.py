@@ -58,7 +58,7 @@ from polestar.models.layers import Rotary
 from polestar.models.plan import DecodeCache, Plan, full_plan
 from polestar.region import WindowRegion
 from polestar.registry import register
-from polestar.stages import AfterStep, LayerHook, RefreshSelector
+from polestar.stages import AfterStep, Capability, LayerHook, RefreshSelector
 from polestar.state import DecodeState, StepPosition
 
 from .elastic_trace import TRIGGER, TRIGGER_LAYER
@@ -87,6 +87,7 @@ class ElasticCacheRefresh(RefreshSelector):
         eos_id: int | None = attrs.field(default=None, validator=v.optional(v.instance_of(int)))
 
     needs_hidden = True
+    not_served = {Capability.BLOCK_REGION: "it commits from a sliding window of each row's first masked positions"}
 
     def region(self) -> WindowRegion:
         return WindowRegion(self.config.window_length, self.config.eos_id)
