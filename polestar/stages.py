@@ -30,6 +30,7 @@ import enum
 from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 
 from polestar.models.backbone import AttentionProbe
@@ -43,8 +44,14 @@ from .stage_kinds import StageKind, register_kind
 from .state import CommitSelection, DecodeState, Prediction, StepPosition, SuffixCommit, UpdatePacket
 
 
+@attrs.frozen
+class NoOptions:
+    """The ``Config`` of a stage without options (what :class:`Stage` supplies when a stage declares none)."""
+
+
 class Stage:
     """A pipeline stage: a frozen attrs ``Config`` and pure methods (see the module docstring for the lifecycle).
+    A stage without options may leave ``Config`` out (it inherits :class:`NoOptions`).
 
     ``trace_figures``: figures this stage adds to ``polestar trace`` (:class:`polestar.tracing.stage_figure.
     StageFigure`: each reads what the stage gathered in :attr:`~polestar.state.StepDetail.stages` and draws it).
@@ -54,7 +61,7 @@ class Stage:
 
     kind: str
     name: str
-    Config: type
+    Config: type = NoOptions
     requires: tuple[str, ...] = ()
     trace_figures: tuple = ()
 

@@ -84,3 +84,23 @@ def test_policies_marks_plugin_stages_with_their_file(capsys, isolated_registry)
     assert not any("[plugin" in line for line in lines if " kl " in line)
     assert main(["policies", "--json", "--plugin", str(plugin)]) == 0
     assert json.loads(capsys.readouterr().out)["plugins"] == {"drift": {"hellinger": str(plugin.resolve())}}
+
+
+def test_a_stage_without_options_needs_no_config(isolated_registry):
+    from polestar import registry
+    from polestar.policies.commit_basic import ThresholdCommit
+    from polestar.policies.drift import DriftMetric
+    from polestar.policy import assemble
+    from polestar.stages import NoOptions
+
+    @registry.register("drift", "no-options")
+    class L1Drift(DriftMetric):
+        """Mean absolute difference of two attention distributions ``[B, H, R, T]`` → ``[B, R]``."""
+
+        def score(self, now, before):
+            return (now - before).abs().sum(-1).mean(1)
+
+    assert L1Drift.Config is NoOptions and registry.config_fields("drift", "no-options") == {}
+    pipeline = assemble("polestar", {"drift": "no-options"})
+    assert pipeline.stages["drift"].name == "no-options"
+    assert ThresholdCommit.Config is not NoOptions
