@@ -7,8 +7,8 @@
   output, plus the record's laws (a drift is 0 on equal inputs, or on one-hot rows for a metric that ignores
   ``prev``; a lossless quantizer is exact; an offloader reads back the rows it wrote; clusterers label valid
   positions only);
-* ``pure``: the same inputs give the same outputs (stages are pure functions of their inputs; a clusterer of its
-  generator's seed);
+* ``laws``: the kind's laws again on another seed's example draws (a drift is 0 on equal inputs and the same twice, a
+  lossless quantizer exact, a clusterer the same for the same seed); ``pure`` is an older name of it;
 * ``invariants``: decoding with the stage swapped into a policy that reads its kind (:func:`host_policy`) keeps the
   engine's invariants at every step (:func:`check_step`), with every stage output checked;
 * ``determinism``: the same seed gives the same tokens (greedy and sampled);
@@ -19,7 +19,7 @@ stage. The models are the small random LLaDA and Dream of :func:`tiny_model` (no
 
 The pytest plugin (``pytest -p polestar.testing``; installed as a ``pytest11`` entry point) adds
 ``--polestar-stage KIND:NAME`` (repeatable; one test per check), ``--polestar-plugin MODULE_OR_FILE`` (imported
-first, as ``polestar --plugin``) and ``--polestar-checks contract,pure`` (a subset of :data:`CHECKS`)::
+first, as ``polestar --plugin``) and ``--polestar-checks contract,laws`` (a subset of :data:`CHECKS`)::
 
     pytest -p polestar.testing --polestar-plugin mydrift.py --polestar-stage drift:hellinger
 
@@ -53,7 +53,9 @@ TINY = dict(
 #: prompts of different lengths (below the special ids), so that the batch-invariance check exercises left padding
 PROMPTS = [[5, 17, 3], [9, 1, 22, 30, 4, 11, 2]]
 
-CHECKS = ("contract", "pure", "invariants", "determinism", "batch-invariance")
+CHECKS = ("contract", "laws", "invariants", "determinism", "batch-invariance")
+#: older names of checks, still accepted
+ALIASES = {"pure": "laws"}
 
 
 def tiny_model(family: str = "llada", seed: int = 0, **over: Any):
@@ -128,7 +130,7 @@ def _fresh(stage):
 
 def check_contract(kind: str, name: str, examples: int = 12, seed: int = 0) -> None:
     """The stage-level contract of ``kind`` / ``name`` on ``examples`` seeded inputs of its kind's record (the
-    ``contract`` and ``pure`` checks: :func:`check_example` on each); for a kind without example inputs (refresh,
+    ``contract`` and ``laws`` checks: :func:`check_example` on each); for a kind without example inputs (refresh,
     commit: their input is a decoding state), one checked decode."""
     registry.lookup(kind, name)
     gen = torch.Generator().manual_seed(seed)
@@ -234,7 +236,7 @@ def _batch_invariance(kind: str, name: str) -> None:
 
 _CHECKS: dict[str, Callable[[str, str], None]] = {
     "contract": lambda kind, name: check_contract(kind, name),
-    "pure": lambda kind, name: check_contract(kind, name, examples=3, seed=1),
+    "laws": lambda kind, name: check_contract(kind, name, examples=3, seed=1),
     "invariants": _invariants,
     "determinism": _determinism,
     "batch-invariance": _batch_invariance,
@@ -242,8 +244,8 @@ _CHECKS: dict[str, Callable[[str, str], None]] = {
 
 
 def _known_checks(checks: Sequence[str], where: str = "") -> None:
-    """ValueError naming the entries of ``checks`` that are not in :data:`CHECKS`."""
-    unknown = sorted(set(checks) - set(CHECKS))
+    """ValueError naming the entries of ``checks`` that are not in :data:`CHECKS` (or :data:`ALIASES`)."""
+    unknown = sorted(set(checks) - set(CHECKS) - set(ALIASES))
     if unknown:
         raise ValueError(f"{where}unknown checks {unknown}; checks: {', '.join(CHECKS)}")
 
@@ -260,15 +262,17 @@ def _lookup(kind: str, name: str) -> None:
 
 def check_stage(kind: str, name: str, checks: Sequence[str] = CHECKS) -> None:
     """Run ``checks`` (default: all of :data:`CHECKS`) on the registered stage ``kind`` / ``name``; the first
-    failure raises with a message naming the stage. The stage must be registered first (import its module, or
-    ``polestar.load_plugin("mydrift.py")``)."""
+    failure raises with a message naming the stage and the check, and a pass prints one line listing the checks.
+    The stage must be registered first (import its module, or ``polestar.load_plugin("mydrift.py")``)."""
     _lookup(kind, name)
     _known_checks(checks)
+    checks = [ALIASES.get(check, check) for check in checks]
     for check in checks:
         try:
             _CHECKS[check](kind, name)
         except AssertionError as err:
             raise AssertionError(f"{kind} stage {name!r} fails the {check} check: {err}") from err
+    print(f"{kind} stage {name!r} passed: {', '.join(checks)}")
 
 
 # ----------------------------------------------------------------------------------------------- pytest plugin
@@ -340,6 +344,15 @@ def pytest_ignore_collect(collection_path, config):
     if _stage_mode(config) and not config.getoption("file_or_dir"):
         return True
     return None
+
+
+def pytest_report_collectionfinish(config, items):
+    """Under pytest's "collected N items" line (counted before the stage checks are added), the stage checks that
+    will run."""
+    if not _stage_mode(config) or config.getoption("collectonly"):  # --co lists the checks itself
+        return None
+    stage_items = [item.name for item in items if item.name.startswith("polestar-stage[")]
+    return f"polestar stage checks: {len(stage_items)} ({', '.join(stage_items)})"
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

@@ -75,7 +75,7 @@ def test_pytest_plugin_runs_the_checks(tmp_path):
     path.write_text(HELLINGER.format(name="hellinger"))
     (tmp_path / "conftest.py").write_text("")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "polestar.testing", "--polestar-plugin", str(path),
-           "--polestar-stage", "drift:hellinger", "--polestar-checks", "contract,pure", "-p", "no:cacheprovider"]
+           "--polestar-stage", "drift:hellinger", "--polestar-checks", "contract,laws", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout

@@ -93,7 +93,7 @@ def test_a_declared_kind_drives_the_contract_and_the_property_checks(isolated_re
     _declare(isolated_registry)
     assert registry.names("echo") == ["good", "negated", "short"]
     SEEN.clear()
-    check_stage("echo", "good", ["contract", "pure"])
+    check_stage("echo", "good", ["contract", "laws"])
     assert len(SEEN) == 12 + 3  # the contract check's examples, then the pure check's
     with pytest.raises(contracts.StageContractError, match=r"echo stage 'short' \(Echo_short.echo\)"):
         check_stage("echo", "short", ["contract"])

@@ -104,3 +104,10 @@ def test_a_stage_without_options_needs_no_config(isolated_registry):
     pipeline = assemble("polestar", {"drift": "no-options"})
     assert pipeline.stages["drift"].name == "no-options"
     assert ThresholdCommit.Config is not NoOptions
+
+
+def test_check_stage_says_which_checks_passed_and_the_old_check_name_still_runs(capsys):
+    from polestar.testing import check_stage
+
+    check_stage("drift", "kl", ["contract", "pure"])
+    assert capsys.readouterr().out.splitlines()[-1] == "drift stage 'kl' passed: contract, laws"

@@ -36,7 +36,7 @@ class StrideClusters(Clusterer):
 
 
 if __name__ == "__main__":
-    check_stage("cluster", "stride", ["contract", "pure"])
+    check_stage("cluster", "stride", ["contract", "laws"])
     model = polestar.load("tiny-llada")
     out = polestar.generate(model, ["3+4*2-5"], task="arith", policy="polestar", cluster="stride")
     print(out.texts[0], out.pipeline.describe()["cluster"])

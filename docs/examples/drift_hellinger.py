@@ -28,7 +28,7 @@ class HellingerDrift(DriftMetric):
 
 
 if __name__ == "__main__":
-    check_stage("drift", "hellinger", ["contract", "pure"])  # the checks `pytest --polestar-stage` runs
+    check_stage("drift", "hellinger", ["contract", "laws"])  # the checks `pytest --polestar-stage` runs
     model = polestar.load("tiny-llada")
     out = polestar.generate(model, ["3+4*2-5"], task="arith", policy="polestar", drift="hellinger")
     print(out.texts[0], out.pipeline.describe()["drift"])

@@ -96,7 +96,7 @@ polestar.register_policy(PolicySpec(
 
 
 if __name__ == "__main__":
-    check_stage("confidence", "margin", ["contract", "pure", "invariants"])
+    check_stage("confidence", "margin", ["contract", "laws", "invariants"])
     model = polestar.load("tiny-llada")
     out = polestar.generate(model, ["3+4*2-5"], task="arith", policy="fast-dllm-margin")
     print(out.texts[0], out.stats.nfe, "steps")

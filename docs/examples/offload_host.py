@@ -37,7 +37,7 @@ class HostOffload(Offloader):
 
 
 if __name__ == "__main__":
-    check_stage("offload", "host", ["contract", "pure"])
+    check_stage("offload", "host", ["contract", "laws"])
     model = polestar.load("tiny-llada")
     out = polestar.generate(model, ["3+4*2-5"], task="arith", policy="polestar", offload="host")
     print(out.texts[0], out.pipeline.describe()["offload"])

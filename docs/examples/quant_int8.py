@@ -50,7 +50,7 @@ class Int8Quant(Quantizer):
 
 
 if __name__ == "__main__":
-    check_stage("quant", "int8", ["contract", "pure"])
+    check_stage("quant", "int8", ["contract", "laws"])
     model = polestar.load("tiny-llada")
     out = polestar.generate(model, ["3+4*2-5"], task="arith", policy="polestar", quant="int8")
     print(out.texts[0], out.pipeline.describe()["quant"])
