@@ -25,6 +25,7 @@ from polestar.output_files import check_writable, write_atomic
 from polestar.overrides import Overrides
 from polestar.policy import Pipeline
 from polestar.problems import check_problem_count, load_problems, progress_bar
+from polestar.stats import compile_seconds
 from polestar.tasks import get_task
 from polestar.tasks.base import Problem
 
@@ -324,7 +325,16 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
                 records = [finished[k] for k in keys]
                 reused = True
             else:
+                first_compile = decoding.get("compile") and not local and show_progress and rank == 0
+                if first_compile:
+                    _say(bar, f"compiling {name}: its layer regions, at the first steps of each step phase...")
+                compiled_before = compile_seconds()
                 records, _ = decode_batch(model, task, chunk, name, opts, decoding)
+                compiled = compile_seconds() - compiled_before
+                if bar is not None:  # the bar's rate and ETA count decoding only
+                    bar.start_t += compiled
+                if first_compile:
+                    _say(bar, f"compiled {name} in {compiled:.1f} s")
                 for i, rec in enumerate(records):
                     rec["index"] = start + i
                     rec["label"] = labels[name]
@@ -348,6 +358,14 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
         "dtype": dtype_name(model.dtype),  # the dtype the weights were loaded in
         "timings": timings,
     }
+
+
+def _say(bar, line: str) -> None:
+    """One line on stderr, above the progress bar when there is one."""
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def mixed_timings(previous: Previous | None) -> dict[str, Any]:

@@ -74,4 +74,6 @@ def progress_bar(total: int, show: bool, desc: str = "bench"):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is in the bench/test extras
         return None
-    return tqdm(total=total, desc=desc, unit="problem")
+    # the rate since the start, not a moving average: the ETA then reads the decode rate once the caller has moved
+    # ``start_t`` past time spent compiling
+    return tqdm(total=total, desc=desc, unit="problem", smoothing=0)

@@ -111,3 +111,15 @@ def test_check_stage_says_which_checks_passed_and_the_old_check_name_still_runs(
 
     check_stage("drift", "kl", ["contract", "pure"])
     assert capsys.readouterr().out.splitlines()[-1] == "drift stage 'kl' passed: contract, laws"
+
+
+@pytest.mark.slow
+def test_bench_says_when_each_policy_compiles(capsys):
+    from polestar.cli import main
+
+    assert main(["bench", "--model", "tiny-llada", "--task", "arith", "--policies", "fast-dllm,parallel", "--n", "2",
+                 "--compile"]) == 0
+    err = capsys.readouterr().err
+    for policy in ("fast-dllm", "parallel"):
+        assert f"compiling {policy}: its layer regions, at the first steps of each step phase..." in err
+        assert f"compiled {policy} in " in err
