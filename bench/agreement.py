@@ -1,4 +1,4 @@
-"""How far two benchmark runs of the same problems disagree, token by token.
+"""How far two benchmark runs of the same problems disagree, token by token, and their metrics side by side.
 
 Used to check that a lossy stage (``quant=nvfp4``, ``offload=cpu``) changes few decoded tokens against an exact
 one (``quant=none``, ``offload=none``): run ``polestar bench`` twice with the same problems, policies and decoding,
@@ -94,6 +94,42 @@ def format_agreement(result: dict[str, dict[str, float]], title: str) -> str:
     return "\n".join(lines)
 
 
+#: the summary metrics :func:`compare_metrics` sets side by side: (summary key, column title)
+METRICS = (("tpf", "TPF"), ("tps", "TPS"), ("nfe", "NFE"), ("token_layer_evals_per_token", "evals/tok"),
+           ("weight_bytes_per_token", "W/tok"), ("kv_bytes_per_token", "KV/tok"),
+           ("proxy_query_evals_per_token", "proxy/tok"))
+
+
+def compare_metrics(a: dict[str, Any], b: dict[str, Any], policy_a: str | None = None,
+                    policy_b: str | None = None) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per policy (or ``"<policy_a> vs <policy_b>"``): each of :data:`METRICS` as ``(A, B)`` from the two runs'
+    summaries; a metric either summary lacks is left out."""
+    pairs = [(policy_a, policy_b)] if policy_a is not None else [(p, p) for p in a.get("summary", {})]
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for pa, pb in pairs:
+        sa, sb = a.get("summary", {}).get(pa), b.get("summary", {}).get(pb)
+        if sa is None or sb is None:
+            continue
+        label = pa if policy_a is None else f"{pa} vs {pb}"
+        out[label] = {key: (float(sa[key]), float(sb[key])) for key, _ in METRICS if key in sa and key in sb}
+    return out
+
+
+def format_metrics(result: dict[str, dict[str, tuple[float, float]]]) -> str:
+    """:func:`compare_metrics` as a table: per policy and metric ``A → B (B/A)``."""
+    if not result:
+        return ""
+    w = max([18, *(len(p) for p in result)])
+    titles = dict(METRICS)
+    lines = [f"{'policy':{w}s} {'metric':>10s} {'A':>12s} {'B':>12s} {'B/A':>8s}"]
+    lines.append("-" * len(lines[0]))
+    for policy, metrics in result.items():
+        for key, (va, vb) in metrics.items():
+            ratio = f"{vb / va:7.3f}x" if va else f"{'-':>8s}"
+            lines.append(f"{policy:{w}s} {titles[key]:>10s} {va:12.4g} {vb:12.4g} {ratio}")
+    return "\n".join(lines)
+
+
 def run_manifest(run: dict[str, Any], path: str | Path) -> dict[str, Any] | None:
     """The manifest of a bench run: inside its JSON, else the ``.manifest.json`` file beside it, else None."""
     if isinstance(run.get("manifest"), dict):
@@ -141,4 +177,7 @@ def agree_cli(path_a: str, path_b: str, policy_a: str | None = None, policy_b: s
     result = compare_runs(*runs, policy_a=policy_a, policy_b=policy_b)
     compared = f"\ncompared: {'; '.join(diff)}" if diff else ""
     print(format_agreement(result, f"A = {path_a}\nB = {path_b}{compared}"))
+    metrics = format_metrics(compare_metrics(*runs, policy_a=policy_a, policy_b=policy_b))
+    if metrics:
+        print("\n" + metrics)
     return 0

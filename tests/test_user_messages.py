@@ -123,3 +123,16 @@ def test_bench_says_when_each_policy_compiles(capsys):
     for policy in ("fast-dllm", "parallel"):
         assert f"compiling {policy}: its layer regions, at the first steps of each step phase..." in err
         assert f"compiled {policy} in " in err
+
+
+def test_agree_sets_the_metrics_of_two_runs_side_by_side():
+    from polestar.bench.agreement import compare_metrics, format_metrics
+
+    a = {"summary": {"polestar": {"tpf": 2.0, "nfe": 10.0, "token_layer_evals_per_token": 40.0}}}
+    b = {"summary": {"polestar": {"tpf": 3.0, "nfe": 10.0, "token_layer_evals_per_token": 30.0}}}
+    result = compare_metrics(a, b)
+    assert result == {"polestar": {"tpf": (2.0, 3.0), "nfe": (10.0, 10.0), "token_layer_evals_per_token": (40.0, 30.0)}}
+    table = format_metrics(result).splitlines()
+    assert any(line.split()[:2] == ["polestar", "TPF"] and line.endswith("1.500x") for line in table)
+    assert any(line.split()[:2] == ["polestar", "evals/tok"] and line.endswith("0.750x") for line in table)
+    assert compare_metrics(a, b, "polestar", "polestar") == {"polestar vs polestar": result["polestar"]}
