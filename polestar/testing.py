@@ -19,7 +19,8 @@ stage. The models are the small random LLaDA and Dream of :func:`tiny_model` (no
 
 The pytest plugin (``pytest -p polestar.testing``; installed as a ``pytest11`` entry point) adds
 ``--polestar-stage KIND:NAME`` (repeatable; one test per check), ``--polestar-plugin MODULE_OR_FILE`` (imported
-first, as ``polestar --plugin``) and ``--polestar-checks contract,laws`` (a subset of :data:`CHECKS`)::
+before collection, as ``polestar --plugin``, with or without ``--polestar-stage``: the pytest-benchmark suite then
+benchmarks the policies it registers) and ``--polestar-checks contract,laws`` (a subset of :data:`CHECKS`)::
 
     pytest -p polestar.testing --polestar-plugin mydrift.py --polestar-stage drift:hellinger
 
@@ -323,11 +324,17 @@ def _stage_mode(config) -> bool:
 
 
 def pytest_configure(config) -> None:
-    """With ``--polestar-stage``: import ``--polestar-plugin`` and check every option before collecting; a bad one
-    is pytest's one-line usage error (``ERROR: ...``, exit code 4), not an internal error."""
-    if not _stage_mode(config):
-        return
+    """Import ``--polestar-plugin`` before collecting (so tests parametrized from the registry, such as the
+    pytest-benchmark suite's policies, include what it registers); with ``--polestar-stage`` also check every option.
+    A bad one is pytest's one-line usage error (``ERROR: ...``, exit code 4), not an internal error."""
     import pytest
+
+    if not _stage_mode(config):
+        try:
+            load_plugins(config.getoption("--polestar-plugin", default=[]) or [])
+        except ValueError as err:
+            raise pytest.UsageError(" ".join(str(err).split())) from None
+        return
 
     try:
         load_plugins(config.getoption("--polestar-plugin", default=[]) or [])

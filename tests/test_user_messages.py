@@ -136,3 +136,24 @@ def test_agree_sets_the_metrics_of_two_runs_side_by_side():
     assert any(line.split()[:2] == ["polestar", "TPF"] and line.endswith("1.500x") for line in table)
     assert any(line.split()[:2] == ["polestar", "evals/tok"] and line.endswith("0.750x") for line in table)
     assert compare_metrics(a, b, "polestar", "polestar") == {"polestar vs polestar": result["polestar"]}
+
+
+@pytest.mark.slow
+def test_the_documented_benchmark_of_a_plugin_policy_runs():
+    """docs/policies.md's pytest-benchmark command for a policy of your own, as written (timing off: this checks that
+    the plugin's policy is collected beside the built-in ones and decodes)."""
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "policies.md").read_text()
+    block = page.split("<!-- benchmark-command -->\n```bash\n", 1)[1].split("\n```", 1)[0]
+    argv = shlex.split(block)
+    assert argv[0] == "pytest" and "--benchmark-only" in argv
+    argv = [sys.executable, "-m", *(a for a in argv if a != "--benchmark-only"), "--benchmark-disable", "-q",
+            "-p", "no:cacheprovider"]
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "4 passed" in done.stdout  # polestar-hellinger and fast-dllm, on both tasks
