@@ -1,7 +1,8 @@
 """What a user reads: an unknown name ends its one-line error with the closest registered names (``_`` and ``-``
 read alike), an option of a stage the policy did not select names that stage, ``bench --help`` shows its defaults,
 ``generate --compile`` says when compiling starts and ends, ``generate``'s stats line names the drift metric, and
-``policies`` marks the stages a plugin added."""
+``policies`` marks the stages a plugin added, ``agree`` sets two runs' metrics side by side, and the stage kit and
+the benchmark suite take a plugin."""
 
 import pytest
 
