@@ -7,7 +7,6 @@ projections a layer hook runs on rows of its own are in :class:`~polestar.models
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -104,7 +103,7 @@ class DiffusionLM(nn.Module):
     # -- fused projections, stacked over layers ----------------------------------------------------------
     def fuse_projections(self) -> None:
         """Store every layer tensor a pass reads in one tensor per :class:`~polestar.models.layer_regions.
-        LayerWeights` field, stacked over the layers (``[n_layers, ...]``, :meth:`stacked_weights`), each layer's
+        LayerWeights` field, stacked over the layers (``[n_layers, ...]``), each layer's
         q/k/v rows together (:class:`FusedProjections`) and its gate/up rows together; the parameters are re-pointed
         as views into them (a layer's pass reads its rows). Parameters already in place are left as they are. The
         families call it once built; moving or casting the model (``to``, ``to_empty``, ``float``) moves each stack as
@@ -124,26 +123,11 @@ class DiffusionLM(nn.Module):
                        for layer in range(self.spec.n_layers)]
         self._list_weights()
 
-    def stacked_weights(self, first: int = 0, end: int | None = None) -> LayerWeights:
-        """Layers ``first .. end - 1``'s tensors (every layer's by default) stacked: each field ``[end - first, ...]``
-        (None without biases); row ``l`` of the whole stacks is what :meth:`layer_weights` gives for layer ``l``,
-        the same storage."""
-        if first == 0 and end is None:
-            return self._stacks
-        return LayerWeights(*(None if t is None else t[first:end] for t in self._stacks))
-
-    def pass_bytes(self, first: int, end: int) -> int:
-        """Weight bytes of one pass over layers ``first .. end - 1`` (q/k/v and out/MLP parts, as each layer's
-        pass counts them; from host-side prefix sums)."""
-        return self._pass_bytes[end] - self._pass_bytes[first]
-
     def _list_weights(self) -> None:
         """The layers' tensors as the layer regions take them, and their byte counts (:class:`LayerBytes`)."""
         layers = range(self.spec.n_layers)
         self._weights = [self._layer_weights(layer) for layer in layers]
         self._layer_bytes = [LayerBytes.of(*self.layer_parts(layer)) for layer in layers]
-        #: bytes of the passes over layers ``0 .. l - 1`` at index ``l`` (a scan over a run of layers counts them)
-        self._pass_bytes = [0, *itertools.accumulate(b.qkv_pass + b.out_mlp_pass for b in self._layer_bytes)]
 
     def layer_bytes(self, layer: int) -> LayerBytes:
         """Layer ``layer``'s weight bytes per part (:class:`~polestar.models.cost.LayerBytes`; listed on the host

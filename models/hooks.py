@@ -94,11 +94,9 @@ class LayerHook(Protocol):
     Attributes read after the pass: ``evals`` ``[B]`` long, positions of each sequence the hook computed (counted
     as that sequence's compute; with feature caching, the rows the layers recomputed minus the plan rows, which
     the engine counts as computed at every layer); ``head_rows`` ``[B, M, d]`` last-layer rows that want logits with
-    the block's (an update packet), with ``head_positions`` and ``head_valid`` ``[B, M]``; ``compilable``: False
-    when the hook decides on the host (the step then runs eagerly).
+    the block's (an update packet), with ``head_positions`` and ``head_valid`` ``[B, M]``.
     """
 
-    compilable: bool = True
     evals: torch.Tensor
     head_rows: torch.Tensor | None = None
     head_positions: torch.Tensor | None = None

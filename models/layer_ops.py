@@ -83,29 +83,6 @@ class LayerOps:
         its own; it counts their reads itself, from :meth:`layer_bytes`)."""
         return self._model.layer_weights(layer)
 
-    def stacked_weights(self, first: int, end: int) -> LayerWeights:
-        """Layers ``first .. end - 1``'s tensors stacked (each field ``[end - first, ...]``, None without biases;
-        views of :meth:`~polestar.models.backbone.DiffusionLM.stacked_weights`), for a hook that scans them."""
-        return self._model.stacked_weights(first, end)
-
-    def pass_bytes(self, first: int, end: int) -> int:
-        """Weight bytes of one layer pass over layers ``first .. end - 1`` each (what a scan over them counts)."""
-        return self._model.pass_bytes(first, end)
-
-    def stacked_query_weights(self, first: int, end: int) -> tuple:
-        """:meth:`query_weights` of layers ``first .. end - 1`` stacked (each ``[end - first, ...]`` or None): views
-        of the layer stacks (the q rows of the fused q/k/v)."""
-        st = self._model.stacked_weights()
-        q_rows = self.spec.n_heads * self.spec.head_dim
-        return (st.attn_norm[first:end], None if st.attn_norm_bias is None else st.attn_norm_bias[first:end],
-                st.qkv[first:end, :q_rows], None if st.qkv_bias is None else st.qkv_bias[first:end, :q_rows])
-
-    def query_weights(self, layer: int) -> tuple:
-        """Layer ``layer``'s attention norm and q projection as :func:`~polestar.models.layer_regions.project_rows`
-        takes them: ``(norm weight, norm bias, q weight, q bias)`` (biases None where the checkpoint has none)."""
-        parts = self._model.layer_parts(layer)
-        return parts.attn_norm.weight, parts.attn_norm.bias, parts.q.weight, parts.q.bias
-
     def query_bytes(self, layer: int) -> int:
         """Bytes :meth:`project_queries` reads (the attention norm's and the q projection's weights)."""
         counted = self._model.layer_bytes(layer)

@@ -45,7 +45,7 @@ from polestar.models.backbone import AttentionProbe, DiffusionLM
 from polestar.models.cost import CostMeter, StepCost
 from polestar.models.plan import DecodeCache, Plan
 
-from . import compile_off, contracts
+from . import compile_off
 from .config import GenerationConfig
 from .policy import Pipeline
 from .profiling import scope
@@ -378,12 +378,6 @@ def pipeline_compilable(pipeline: Pipeline) -> bool:
     """Whether every stage of ``pipeline`` can run inside a compiled step (a stage that cannot, such as the
     ``cpu`` offloader with its host buffers, declares ``compilable = False``)."""
     return all(getattr(stage, "compilable", True) for stage in pipeline.stages.values())
-
-
-def pipeline_checked(pipeline: Pipeline) -> bool:
-    """Whether a stage of ``pipeline`` has its outputs checked against its kind's contract
-    (:func:`polestar.contracts.checked`)."""
-    return any(contracts.is_checked(stage) for stage in pipeline.stages.values())
 
 
 #: what ``compile=True`` compiles the layer regions with

@@ -147,11 +147,9 @@ class SparseUpdate(LayerHook):
     strategy did not give).
     """
 
-    def __init__(self, strategy: MemberStrategy, ops: LayerOps, cache: DecodeCache, batch: int, device,
-                 compilable: bool = True):
+    def __init__(self, strategy: MemberStrategy, ops: LayerOps, cache: DecodeCache, batch: int, device):
         self.strategy, self.ops, self.cache = strategy, ops, cache
         self.n_layers = ops.spec.n_layers
-        self.compilable = compilable
         self.packet_rows: Packet | None = None
         self.current: tuple[torch.Tensor, torch.Tensor] | None = None
         self.chosen: list[torch.Tensor] = []  # each layer's valid members [B, M_l], counted once after the pass
