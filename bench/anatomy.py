@@ -33,7 +33,7 @@ from polestar.config import GenerationConfig
 from polestar.policies.commit_adaptive import PolestarCommit
 from polestar.tasks import get_task
 
-from .harness import decode_batch, load_problems, optional_overrides, policy_label, summarize
+from .harness import bench_entry, decode_batch, entry_overrides, load_problems, policy_label, summarize
 
 BIN_LABELS = ("<0.5", "0.5-lower", "band", ">=tau")
 COMMIT_LABELS = ("confident", "top1_below_tau", "other_below_tau", "suffix")
@@ -113,7 +113,7 @@ def commit_anatomy(model_name: str, task_name: str, policies: list[str], n: int,
         raise ValueError("n and batch_size must be at least 1")
     task = get_task(task_name)
     GenerationConfig(**{k: v for k, v in decoding.items() if k not in ("compile", "on_step")})  # validate first
-    pipelines = {name: polestar.assemble(name, optional_overrides(options)) for name in policies}
+    pipelines = {name: polestar.assemble(bench_entry(name).policy, entry_overrides(name, options)) for name in policies}
     model = polestar.load(model_name, dtype=dtype, device=device)
     if model.tokenizer is None:
         raise ValueError(f"{model_name} has no tokenizer.json; task prompts and answers need one")

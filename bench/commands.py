@@ -19,7 +19,9 @@ def _add_problem_args(p: argparse.ArgumentParser, policies: str, n: int, batch_s
     p.add_argument("--model", default="tiny-llada",
                    help="a shipped checkpoint name or an HF-format directory (default tiny-llada)")
     p.add_argument("--task", default="arith", help="the task whose problems are generated (default arith)")
-    p.add_argument("--policies", default=policies, help=f"comma-separated policy names (default {policies})")
+    p.add_argument("--policies", default=policies,
+                   help=f"comma-separated policy names, each optionally with settings of its own, "
+                        f"polestar[drift=kl] (default {policies})")
     p.add_argument("--n", "--num-problems", dest="n", type=int, default=n,
                    help=f"number of problems (default {n}; write --num-problems under torchrun, whose parser takes "
                         "--n for its own)")

@@ -44,10 +44,11 @@ def frontier_rows(runs: dict[str, dict]) -> list[dict]:
 
 
 def format_frontier(title: str, rows: list[dict]) -> str:
-    head = f"{'policy':<16}{'options':<18}{'accuracy':>23}{'TPF':>7}{'evals/tok':>11}"
+    w = max([16, *(len(r["policy"]) + 2 for r in rows)])  # a --policies entry with settings of its own is longer
+    head = f"{'policy':<{w}}{'options':<18}{'accuracy':>23}{'TPF':>7}{'evals/tok':>11}"
     lines = [title, head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['policy']:<16}{r['options'] or '-':<18}{accuracy_cell(r):>23}"
+        lines.append(f"{r['policy']:<{w}}{r['options'] or '-':<18}{accuracy_cell(r):>23}"
                      f"{r['tpf']:>7.2f}{r['evals']:>11.1f}")
     return "\n".join(lines)
 

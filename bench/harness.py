@@ -19,6 +19,7 @@ from polestar.bench.item_log import (
     items_path,
 )
 from polestar.bench.manifest import build_manifest, manifest_path
+from polestar.entries import BenchEntry, parse_entry, value_text
 from polestar.evaluation import distributed
 from polestar.models.loading import dtype_name
 from polestar.output_files import check_writable, write_atomic
@@ -82,6 +83,7 @@ def decode_batch(model, task, chunk: list[Problem], policy: str | Pipeline, opti
             "policy": name, "input": prob.input, "generation": text,
             "correct": bool(task.check(prob.input, text)), "nfe": seq.nfe, "error": getattr(seq, "error", None),
             "tokens": seq.tokens, "sequence_token_layer_evals": seq.token_layer_evals,
+            "revoked": getattr(seq, "revoked", 0),
             "wall_s": out.stats.wall_s / len(chunk),
             "compile_s": out.stats.compile_s / len(chunk), **share,
         })
@@ -125,6 +127,8 @@ def summarize(records: list[dict], stages: dict | None) -> dict:
         "wall_s": wall,
         "compile_s": sum(r.get("compile_s", 0.0) for r in records),  # torch.compile time, excluded from wall_s and tps
         **cost_summary(records),
+        # committed tokens a revoking commit rule (WINO) took back, beside the final tokens TPF counts
+        "revoked_per_token": sum(r.get("revoked", 0) for r in records) / max(tokens, 1),
         "stages": stages,  # the stages and options it ran with
     }
 
@@ -135,10 +139,6 @@ def public_item(record: dict) -> dict:
     return {k: record.get(k, record["policy"]) if k == "label" else record[k] for k in ITEM_FIELDS}
 
 
-def _value_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def applied_overrides(policy: str, options: dict[str, Any]) -> dict[str, Any]:
     """The ``--set`` options of ``options`` that apply to ``policy`` (a stage of it takes them; a stage swap it
     can make), in key order."""
@@ -146,12 +146,24 @@ def applied_overrides(policy: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def policy_label(policy: str, options: dict[str, Any]) -> str:
-    """``policy`` with the ``--set`` overrides that apply to it: ``fast-dllm[commit=entropy-bound]``, or the bare
-    name without any. Table rows, plot labels and JSON records carry it."""
-    applied = applied_overrides(policy, options)
-    if not applied:
-        return policy
-    return f"{policy}[{','.join(f'{k}={_value_text(v)}' for k, v in applied.items())}]"
+    """The ``--policies`` entry ``policy`` (a name, or a name with settings of its own: ``polestar[drift=kl]``) with
+    the ``--set`` overrides that apply to it: ``fast-dllm[commit=entropy-bound]``, or the bare name without any.
+    Table rows, plot labels and JSON records carry it; ``--policies`` accepts it as an entry."""
+    entry = bench_entry(policy)
+    return entry.label(applied_overrides(entry.policy, options))
+
+
+def bench_entry(text: str) -> BenchEntry:
+    """One ``--policies`` entry read (:mod:`~polestar.entries`; values as ``--set`` reads them)."""
+    from polestar.cli_checks import _parse_value
+
+    return parse_entry(text, _parse_value)
+
+
+def entry_overrides(text: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The overrides the ``--policies`` entry ``text`` decodes with: ``--set``'s ``options`` where they apply, its
+    own settings required."""
+    return bench_entry(text).overrides(options)
 
 
 def run_header(model_name: str, task_name: str, n: int, data: str | None, decoding: dict[str, Any],
@@ -195,6 +207,11 @@ COST_COLUMNS = (("W/tok", "weight_bytes_per_token"), ("W/step", "weight_bytes_pe
                 ("KV/tok", "kv_bytes_per_token"), ("proxy/tok", "proxy_query_evals_per_token"))
 
 
+def _cost_cell(key: str, value: float) -> str:
+    """One cost column's cell: bytes and rows with SI prefixes, the revocation rate (a fraction) with 3 decimals."""
+    return f"{value:.3f}" if key == "revoked_per_token" else si(value)
+
+
 def si(value: float) -> str:
     """``value`` in at most 6 characters with an SI prefix (``512``, ``3.4k``, ``16.1G``)."""
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -212,6 +229,8 @@ def format_table(summary: dict[str, dict], title: str) -> str:
     """The ``polestar bench`` table: accuracy, 95% interval, TPF, TPS, evaluations per token and NFE per policy,
     then the step-cost columns (:data:`COST_COLUMNS`, bytes with SI prefixes) when the summaries carry them."""
     costs = [(head, key) for head, key in COST_COLUMNS if all(key in s for s in summary.values())]
+    if any(s.get("revoked_per_token", 0) > 0 for s in summary.values()):  # a revoking commit rule ran
+        costs.append(("rev/tok", "revoked_per_token"))
     labels = {name: s.get("label", name) for name, s in summary.items()}
     w = max([18, *(len(label) for label in labels.values())])
     head = f"{'policy':{w}s} {'accuracy':>9s} {'95% CI':>15s} {'TPF':>6s} {'TPS':>8s} {'evals/tok':>10s} {'NFE':>7s}"
@@ -222,7 +241,7 @@ def format_table(summary: dict[str, dict], title: str) -> str:
         lines.append(
             f"{labels[name]:{w}s} {100 * s['accuracy']:8.1f}% [{100 * lo:5.1f},{100 * hi:5.1f}] {s['tpf']:6.2f} "
             f"{s['tps']:8.1f} {s['token_layer_evals_per_token']:10.1f} {s['nfe']:7.1f}"
-            + "".join(f" {si(s[key]):>9s}" for _, key in costs)
+            + "".join(f" {_cost_cell(key, s.get(key, 0)):>9s}" for _, key in costs)
         )
     return text_table(title, head, lines)
 
@@ -282,11 +301,7 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     """
     check_run_args(policies, n, batch_size)
     task = get_task(task_name)
-    for name in policies:  # fail on a bad policy or option before any decoding
-        polestar.assemble(name, optional_overrides(options))
-    for key, value in options.items():
-        if not any(_accepts(name, key, value, options) for name in policies):
-            polestar.assemble(policies[0], _alone(key, value, options))  # raises, listing valid options
+    check_entries(policies, options)  # fail on a bad policy or option before any decoding
     if resume and json_out is None:
         raise ValueError("--resume needs --json OUT.json (the finished items are kept beside it)")
     if data is None:
@@ -315,9 +330,11 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
     bar = progress_bar(sum(len(problems[s : s + batch_size]) for s in mine) * len(policies),
                        show_progress and rank == 0)
     for name in policies:
-        opts = optional_overrides(options)
+        entry = bench_entry(name)
+        opts = entry.overrides(options)
         local = []
         reused = False
+        warmed_up = False  # this policy's first decoded batch (compile, first allocations) is kept off the bar's rate
         for start in mine:
             chunk = problems[start : start + batch_size]
             keys = [(name, start + i) for i in range(len(chunk))]
@@ -329,25 +346,29 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
                 if first_compile:
                     _say(bar, f"compiling {name}: its layer regions, at the first steps of each step phase...")
                 compiled_before = compile_seconds()
-                records, _ = decode_batch(model, task, chunk, name, opts, decoding)
+                records, _ = decode_batch(model, task, chunk, entry.policy, opts, decoding)
                 compiled = compile_seconds() - compiled_before
-                if bar is not None:  # the bar's rate and ETA count decoding only
+                if bar is not None and warmed_up:  # the bar's rate and ETA count decoding only
                     bar.start_t += compiled
                 if first_compile:
                     _say(bar, f"compiled {name} in {compiled:.1f} s")
                 for i, rec in enumerate(records):
                     rec["index"] = start + i
+                    rec["policy"] = name  # the entry: the policy, with its own settings if it has any
                     rec["label"] = labels[name]
                 if log is not None:
                     log.append(records)
             local += records
-            if bar is not None:
+            if bar is not None and not warmed_up and not all(k in finished for k in keys):
+                restart_rate(bar, len(chunk))
+                warmed_up = True
+            elif bar is not None:
                 bar.update(len(chunk))
         gathered = distributed.all_gather_objects((local, reused))
         records = sorted((r for part, _ in gathered for r in part), key=lambda r: r["index"])
         items += [public_item(r) for r in records]
-        summary[name] = {"label": labels[name], "overrides": applied_overrides(name, options),
-                         **summarize(records, polestar.assemble(name, opts).describe())}
+        summary[name] = {"label": labels[name], "overrides": {**applied_overrides(entry.policy, options), **entry.own},
+                         **summarize(records, polestar.assemble(entry.policy, opts).describe())}
         if timings["mixed"] and any(part_reused for _, part_reused in gathered):
             summary[name]["timings"] = timings
     if bar is not None:
@@ -358,6 +379,17 @@ def run_bench(model_name: str, task_name: str, policies: list[str], n: int, opti
         "dtype": dtype_name(model.dtype),  # the dtype the weights were loaded in
         "timings": timings,
     }
+
+
+def restart_rate(bar, done: int) -> None:
+    """Advance ``bar`` by ``done`` problems and count its rate (and so its ETA) from now on, over the problems still
+    to come: a policy's first batch compiles, allocates and warms caches, and a rate that included it would read
+    hours for a minute's work."""
+    bar.n += done
+    bar.initial = bar.n
+    bar.start_t = bar.last_print_t = bar._time()
+    bar.last_print_n = bar.n
+    bar.refresh()
 
 
 def _say(bar, line: str) -> None:
@@ -385,9 +417,10 @@ def profile_policies(model_name, task_name, policies, n, options, decoding, batc
     problems = load_problems(task_name, n)
     out = {}
     for name in policies:
-        opts = optional_overrides(options)
-        times = profile_shares(
-            lambda name=name, opts=opts: run_policy(model, task, problems, name, opts, decoding, batch_size))
+        entry = bench_entry(name)
+        opts = entry.overrides(options)
+        times = profile_shares(lambda entry=entry, opts=opts: run_policy(model, task, problems, entry.policy, opts,
+                                                                         decoding, batch_size))
         total = times.pop("total")
         shares = {"model_forward": (times["forward"] - sum(times[k] for k in FORWARD_SCOPES)) / total}
         shares.update({k: times[k] / total for k in (*FORWARD_SCOPES, "commit")})
@@ -427,6 +460,25 @@ def _accepts(policy: str, key: str, value: Any, options: dict[str, Any]) -> bool
     return True
 
 
+def check_entries(policies: list[str], options: dict[str, Any]) -> None:
+    """Every ``--policies`` entry assembles with its own settings (each must apply) and the ``--set`` options that
+    apply to it, and every ``--set`` option applies to at least one entry; else a ValueError naming the entry or
+    the option (with the options there are)."""
+    for name in policies:
+        entry = bench_entry(name)
+        try:
+            polestar.assemble(entry.policy, entry.overrides(options))
+        except (ValueError, TypeError) as err:
+            where = f"--policies entry {name!r}" if entry.own else "--set"
+            raise type(err)(f"{where}: {err}") from None
+    for key, value in options.items():
+        if not any(_accepts(bench_entry(name).policy, key, value, options) for name in policies):
+            try:
+                polestar.assemble(bench_entry(policies[0]).policy, _alone(key, value, options))
+            except (ValueError, TypeError) as err:  # raises, listing the options there are
+                raise type(err)(f"--set: {err}") from None
+
+
 def check_run_args(policies: list[str], n: int, batch_size: int) -> None:
     """ValueError, before any work, for an empty policy list or ``n`` / ``batch_size`` below 1 (Python API)."""
     if not policies:
@@ -454,16 +506,17 @@ def check_problem_args(args, options: dict[str, Any], decoding: dict[str, Any]) 
     cc.check_positive("--n", args.n)
     cc.check_positive("--batch-size", args.batch_size)
     cc.check_generation_config(decoding)
+    if len(policies) == 1:  # exactly one policy asked for: every --set must apply to it
+        entry = bench_entry(policies[0])
+        try:
+            polestar.assemble(entry.policy, Overrides.parse(options).merge(entry.own))
+        except (ValueError, TypeError) as err:
+            where = f"--policies entry {policies[0]!r}" if entry.own else "--set"
+            raise cc.UsageError(f"{where}: {cc.one_line(err)}") from None
     try:
-        if len(policies) == 1:  # exactly one policy asked for: every --set must apply to it
-            polestar.assemble(policies[0], options)
-        for name in policies:
-            polestar.assemble(name, optional_overrides(options))
-        for key, value in options.items():
-            if not any(_accepts(name, key, value, options) for name in policies):
-                polestar.assemble(policies[0], _alone(key, value, options))  # raises, listing options
+        check_entries(policies, options)
     except (ValueError, TypeError) as err:
-        raise cc.UsageError(f"--set: {cc.one_line(err)}") from None
+        raise cc.UsageError(cc.one_line(err)) from None
     cc.check_device(args.device)
     cc.check_model(args.model)
     cc.get_task_or_usage(args.task)
@@ -540,7 +593,7 @@ def run_bench_cli(args, options: dict[str, Any], decoding: dict[str, Any]) -> in
     if not args.stop_at_eos:
         title += " / no stop at EOS"
     if options:
-        title += " / set " + " ".join(f"{k}={_value_text(v)}" for k, v in sorted(options.items()))
+        title += " / set " + " ".join(f"{k}={value_text(v)}" for k, v in sorted(options.items()))
     print(format_table(result["summary"], title))
     if result["timings"]["mixed"]:
         print("timings mixed (--resume-any-timing: reused items were timed with "

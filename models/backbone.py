@@ -17,8 +17,8 @@ from polestar.kernels.proxy_attention import proxy_attention
 
 from . import layer_regions
 from .cost import CostMeter, LayerBytes
-from .hooks import CachedFeatures, LayerHook, LayerQKV
-from .layer_regions import LayerWeights
+from .hooks import CachedFeatures, ExtraRows, LayerHook, LayerQKV
+from .layer_regions import CachedOutputs, LayerCache, LayerShape, LayerWeights
 from .layers import RopeTable, Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
@@ -162,6 +162,12 @@ class DiffusionLM(nn.Module):
         return LayerWeights(p.attn_norm.weight, p.attn_norm.bias, f.qkv, f.qkv_bias, p.o.weight, p.o.bias,
                             p.mlp_norm.weight, p.mlp_norm.bias, f.gate_up, f.gate_up_bias, p.down.weight, p.down.bias)
 
+    @property
+    def layer_shape(self) -> LayerShape:
+        """The Python constants of this model's layer regions (:class:`~polestar.models.layer_regions.LayerShape`)."""
+        spec = self.spec
+        return LayerShape(spec.n_heads, spec.n_kv_heads, spec.norm_eps)
+
     def layer_weights(self, layer: int) -> LayerWeights:
         """Layer ``layer``'s tensors as the layer regions take them (:mod:`polestar.models.layer_regions`), with its
         :meth:`projections`."""
@@ -238,15 +244,22 @@ class DiffusionLM(nn.Module):
         cache = DecodeCache(self.spec, attention_mask, self.dtype, store_hidden)
         B, T = attention_mask.shape
         table = self.rotary.table(torch.arange(T + 1, device=attention_mask.device)[None])
-        cache.position_rope = RopeTable(*(t.expand(B, -1, -1, -1) for t in table))
+        cache.set_rope(RopeTable(table.factors.expand(B, -1, -1, -1)))
         return cache
 
     def rope_of(self, cache: DecodeCache, positions: torch.Tensor) -> RopeTable:
-        """Rotary factors of RoPE ``positions [B, X]``: looked up in the cache's ``position_rope`` (two gathers),
+        """Rotary factors of RoPE ``positions [B, X]``: looked up in the cache's ``position_rope`` (one gather),
         or computed (:meth:`Rotary.table`) for a cache built without it. The same values either way."""
         if cache.position_rope is None:
             return self.rotary.table(positions)
         return cache.position_rope.rows(positions)
+
+    def slot_rope(self, cache: DecodeCache, slots: torch.Tensor) -> RopeTable:
+        """Rotary factors of the positions of cache slots ``slots [B, X]``: one gather from the cache's
+        ``slot_rope``, or :meth:`rope_of` their positions for a cache built without it."""
+        if cache.slot_rope is None:
+            return self.rope_of(cache, cache.positions.gather(1, slots))
+        return cache.slot_rope.rows(slots)
 
     # -- plain forward --------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,13 +308,13 @@ class DiffusionLM(nn.Module):
             raise ValueError("a plan that starts above layer 0 must be per layer")
         per_layer = plan.per_layer  # read once: a compiled step traces this loop's body once per layer
         shared = None if per_layer else torch.where(plan.valid, plan.index, trash)
-        rope = None if shared is None else self.rope_of(cache, cache.positions.gather(1, shared))
+        rope = None if shared is None else self.slot_rope(cache, shared)
         layer = plan.first_layer
         while layer < spec.n_layers:
             if shared is None:
                 index, valid = plan.at(layer)
                 index = torch.where(valid, index, trash)
-                rope = self.rope_of(cache, cache.positions.gather(1, index))
+                rope = self.slot_rope(cache, index)
             else:
                 index = shared
             if layer == 0:
@@ -349,8 +362,7 @@ class DiffusionLM(nn.Module):
         ``k, v [B, Hkv, X, hd]`` (views). Counted on ``meter`` as the norm's and each projection's weights."""
         spec, w = self.spec, self.layer_weights(layer)
         H = spec.n_heads
-        qk, qkv = layer_regions.active().qkv_rows(rows, w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, rope.cos,
-                                                  rope.sin, spec.norm_eps, H, spec.n_kv_heads)
+        qk, qkv = layer_regions.active().qkv_rows(rows, rope, w, self.layer_shape)
         v = qkv[:, :, H + spec.n_kv_heads :]
         meter.read(self._layer_bytes[layer].qkv_pass)
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
@@ -389,9 +401,11 @@ class DiffusionLM(nn.Module):
         extra = hook.extra_rows(layer, h, meter) if hook is not None else None
         rows, kv_index = h, index
         if extra is not None:
-            rows = torch.cat([h, extra.inputs.to(h.dtype)], dim=1)
-            rope = rope.cat(self.rope_of(cache, extra.positions))
-            kv_index = torch.cat([index, extra.kv_index], dim=1)
+            parts = (extra,) if isinstance(extra, ExtraRows) else extra
+            rows = torch.cat([h, *(p.inputs.to(h.dtype) for p in parts)], dim=1)
+            rope = RopeTable.join([rope, *(p.rope if p.rope is not None else self.rope_of(cache, p.positions)
+                                           for p in parts)])
+            kv_index = torch.cat([index, *(p.kv_index for p in parts)], dim=1)
         X = rows.shape[1]
         q, k, v = self.project_qkv(layer, rows, rope, meter)
         self.write_kv(cache, layer, kv_index, k, v)
@@ -410,8 +424,7 @@ class DiffusionLM(nn.Module):
             probs = self.attention_probs(q_att.gather(2, rows_q), keys, cache.key_valid, meter)
         w = self.layer_weights(layer)
         regions = layer_regions.active()
-        out = regions.attend_mlp(q_att, resid, keys, values, cache.key_valid, w.o, w.o_bias, w.mlp_norm,
-                                 w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps)
+        out = regions.attend_mlp(q_att, resid, LayerCache(keys, values, cache.key_valid), w, self.layer_shape)
         self._count_out_mlp(layer, meter)
         if members is not None:
             hook.after_layer(layer, out[:, C:])
@@ -420,13 +433,10 @@ class DiffusionLM(nn.Module):
 
     def _plain_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, meter: CostMeter) -> torch.Tensor:
         """:meth:`layer_step` without a hook or a probe: the whole layer as one region
-        (:func:`~polestar.models.layer_regions.decoder_layer`), its K/V written in place."""
-        spec, w = self.spec, self.layer_weights(layer)
-        keys, values = cache.k[layer], cache.v[layer]
-        out = layer_regions.active().decoder_layer(
-            h, index, rope.cos, rope.sin, cache.key_valid, keys, values, w.attn_norm, w.attn_norm_bias, w.qkv,
-            w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias, w.gate_up, w.gate_up_bias, w.down, w.down_bias,
-            spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+        (:meth:`~polestar.models.layer_regions.LayerPasses.decoder_layer`), its K/V written in place."""
+        layer_cache = LayerCache(cache.k[layer], cache.v[layer], cache.key_valid)
+        out = layer_regions.active().passes.decoder_layer(h, index, rope, layer_cache, self.layer_weights(layer),
+                                                          self.layer_shape)
         counted = self._layer_bytes[layer]  # one meter call: each call a compiled step traces at every layer
         meter.add(counted.qkv_pass + counted.out_mlp_pass, 2 * cache.layer_kv_bytes, h.shape[0] * h.shape[1])
         return out
@@ -437,16 +447,13 @@ class DiffusionLM(nn.Module):
         at their slots), attention over the layer's cache, o (→ ``features.attn`` at those rows), then the MLP of
         ``h + attn`` at those rows (→ ``features.mlp``); every plan row's output is ``(h + attn) + mlp`` ``[B, C, d]``.
         With ``R = 0`` no weight is read. The hook may not add extra rows or members to such a layer."""
-        spec = self.spec
         rows = features.rows
         B, R = rows.shape
         if R > 0:
-            w = self.layer_weights(layer)
-            keys, values = cache.k[layer], cache.v[layer]
-            out = layer_regions.active().feature_layer(
-                h, rows, index, rope.cos, rope.sin, cache.key_valid, keys, values, features.attn, features.mlp,
-                w.attn_norm, w.attn_norm_bias, w.qkv, w.qkv_bias, w.o, w.o_bias, w.mlp_norm, w.mlp_norm_bias,
-                w.gate_up, w.gate_up_bias, w.down, w.down_bias, spec.norm_eps, spec.n_heads, spec.n_kv_heads)
+            layer_cache = LayerCache(cache.k[layer], cache.v[layer], cache.key_valid)
+            out = layer_regions.active().passes.feature_layer(
+                h, rows, index, rope, layer_cache, CachedOutputs(features.attn, features.mlp),
+                self.layer_weights(layer), self.layer_shape)
             counted = self._layer_bytes[layer]
             meter.add(counted.qkv_pass + counted.out_mlp_pass, 2 * cache.layer_kv_bytes, B * R)
             return out

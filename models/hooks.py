@@ -14,19 +14,24 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .cost import CostMeter
+from .layers import RopeTable
 
 
 class ExtraRows(NamedTuple):
     """Rows a layer hook adds to one layer's input projections (q, k, v), after the plan's rows.
 
-    ``inputs``: ``[B, R, d_model]`` layer inputs; ``positions``: ``[B, R]`` RoPE positions; ``kv_index``: ``[B, R]``
-    cache slots their K/V are written to (the trash slot for rows that only need a query: proxy queries, probes).
-    They go through the q, k and v projections in the same matmuls as the plan's rows.
+    ``inputs``: ``[B, R, d_model]`` layer inputs; ``positions``: ``[B, R]`` RoPE positions (None when ``rope`` is
+    given); ``kv_index``: ``[B, R]`` cache slots their K/V are written to (the trash slot for rows that only need a
+    query: proxy queries, probes); ``rope``: their rotary factors (a :class:`~polestar.models.layers.RopeTable`
+    ``[B, R, 2, hd]``) when the hook has them at hand, else None (looked up from ``positions``). They go through the
+    q, k and v projections in the same matmuls as the plan's rows. A hook may return several (a tuple), joined in
+    one concatenation per field.
     """
 
     inputs: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     kv_index: torch.Tensor
+    rope: RopeTable | None = None
 
 
 class LayerQKV(NamedTuple):
@@ -107,8 +112,8 @@ class LayerHook(Protocol):
         (default: the layer recomputes every plan row)."""
         return None
 
-    def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | None:
-        """Rows to add to layer ``layer``'s q/k/v pass, or None (default)."""
+    def extra_rows(self, layer: int, h: torch.Tensor, meter: CostMeter) -> ExtraRows | tuple[ExtraRows, ...] | None:
+        """Rows to add to layer ``layer``'s q/k/v pass (one :class:`ExtraRows` or several), or None (default)."""
         return None
 
     def members(self, layer: int, qkv: LayerQKV) -> MemberRows | None:

@@ -92,6 +92,16 @@ class LayerOps:
         """Layer ``layer``'s weight bytes per part (:class:`~polestar.models.cost.LayerBytes`)."""
         return self._model.layer_bytes(layer)
 
+    def slot_rope(self, cache, slots: torch.Tensor):
+        """Rotary factors (:class:`~polestar.models.layers.RopeTable` ``[B, X, 2, hd]``) of the positions of cache
+        slots ``slots [B, X]`` (one gather)."""
+        return self._model.slot_rope(cache, slots)
+
+    def rope_of(self, cache, positions: torch.Tensor):
+        """Rotary factors (:class:`~polestar.models.layers.RopeTable` ``[B, X, 2, hd]``) of RoPE ``positions [B, X]``
+        (one gather)."""
+        return self._model.rope_of(cache, positions)
+
     def embed(self, tokens: torch.Tensor, meter: CostMeter) -> torch.Tensor:
         """Layer-0 inputs ``[B, X, d]`` of token ids ``tokens [B, X]`` (the lookup reads only those embedding rows)."""
         meter.embedding(self._model.embedding_weight(), tokens.numel())

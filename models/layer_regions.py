@@ -8,8 +8,10 @@ layer, so one compile serves the whole depth, at 2 layers or 32. None of them wr
 and a sparse update's hooks run between them, in the step (on CUDA the whole step, compiled regions included, is
 then captured as one CUDA graph per phase).
 
-Shapes: rows ``[B, X, d]``; rotary factors ``cos, sin [B, X, 1, hd]`` (:class:`~polestar.models.layers.RopeTable`);
-queries ``[B, H, Q, hd]``; cached keys and values ``[B, Hkv, T + 1, hd]``; ``key_valid [B, T + 1]`` bool.
+Inputs are named records (pytrees a compiled region flattens): :class:`LayerWeights`, :class:`LayerShape` (Python
+constants), :class:`LayerCache`, :class:`CachedOutputs` and the rows' rotary factors
+(:class:`~polestar.models.layers.RopeTable`). Shapes: rows ``[B, X, d]``; rotary factors ``[B, X, 2, hd]``; queries
+``[B, H, Q, hd]``; cached keys and values ``[B, Hkv, T + 1, hd]``; ``key_valid [B, T + 1]`` bool.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from .layers import RopeTable, Rotary, rms_norm
 
 
 class LayerWeights(NamedTuple):
-    """One layer's tensors in the order the regions take them (biases None where the checkpoint has none):
-    attention norm, fused q/k/v (:class:`~polestar.models.backbone.FusedProjections`), o, MLP norm, fused gate/up,
-    down."""
+    """One layer's tensors (biases None where the checkpoint has none): attention norm, fused q/k/v
+    (:class:`~polestar.models.backbone.FusedProjections`), o, MLP norm, fused gate/up, down. A pytree: a region takes
+    it whole and reads the fields it needs."""
 
     attn_norm: torch.Tensor
     attn_norm_bias: torch.Tensor | None
@@ -44,118 +46,122 @@ class LayerWeights(NamedTuple):
     down_bias: torch.Tensor | None
 
 
-def qkv_rows(rows, norm, norm_bias, qkv, qkv_bias, cos, sin, eps: float, n_heads: int, n_kv_heads: int):
+class LayerShape(NamedTuple):
+    """The Python constants of a layer's regions, the same at every layer: ``n_heads``, ``n_kv_heads`` and the norms'
+    ``eps``."""
+
+    n_heads: int
+    n_kv_heads: int
+    eps: float
+
+
+class LayerCache(NamedTuple):
+    """One layer's cached ``keys, values [B, Hkv, T + 1, hd]`` (written in place by the passes) and ``key_valid
+    [B, T + 1]`` bool."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_valid: torch.Tensor
+
+
+class CachedOutputs(NamedTuple):
+    """Feature caching's per-layer outputs of the plan rows: attention after o ``attn [B, C, d]`` and the MLP branch
+    ``mlp [B, C, d]`` (:class:`~polestar.models.hooks.CachedFeatures`)."""
+
+    attn: torch.Tensor
+    mlp: torch.Tensor
+
+
+def qkv_rows(rows, rope: RopeTable, w: LayerWeights, shape: LayerShape):
     """The attention norm of ``rows [B, X, d]``, one matmul over the fused q/k/v weight and one rotation of the q and
-    k heads together → ``qk [B, X, H + Hkv, hd]`` (rotated q heads then k heads) and the projection
-    ``qkv [B, X, H + 2 Hkv, hd]``, whose last ``Hkv`` heads are the values. (Both are whole tensors: a region that
-    returned a view of the projection was miscompiled by inductor, its values overwritten.)"""
+    k heads together (``rope``: the rows' factors ``[B, X, 2, hd]``) → ``qk [B, X, H + Hkv, hd]`` (rotated q heads
+    then k heads) and the projection ``qkv [B, X, H + 2 Hkv, hd]``, whose last ``Hkv`` heads are the values. (Both
+    are whole tensors: a region that returned a view of the projection was miscompiled by inductor, its values
+    overwritten.)"""
     B, X, _ = rows.shape
-    hd = cos.shape[-1]
-    out = F.linear(rms_norm(rows, norm, norm_bias, eps), qkv, qkv_bias).view(B, X, n_heads + 2 * n_kv_heads, hd)
-    return Rotary.rotate(out[:, :, : n_heads + n_kv_heads], RopeTable(cos, sin)), out
+    n_heads, n_kv_heads = shape.n_heads, shape.n_kv_heads
+    hd = rope.factors.shape[-1]
+    normed = rms_norm(rows, w.attn_norm, w.attn_norm_bias, shape.eps)
+    out = F.linear(normed, w.qkv, w.qkv_bias).view(B, X, n_heads + 2 * n_kv_heads, hd)
+    return Rotary.rotate(out[:, :, : n_heads + n_kv_heads], rope.cos, rope.sin), out
 
 
-def _attend(q, keys, values, key_valid):
+def _attend(q, cache: LayerCache):
     """Scaled dot-product attention of ``q [B, H, Q, hd]`` over the valid cached keys → ``[B, Q, H · hd]``."""
+    keys = cache.keys
     # a branch, not an argument: where the head counts became symbolic, a compiled region guards on it (sdpa takes no
     # symbolic bool)
     gqa = True if keys.shape[1] != q.shape[1] else False  # noqa: SIM210
-    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_valid[:, None, None, :], enable_gqa=gqa)
+    att = F.scaled_dot_product_attention(q, keys, cache.values, attn_mask=cache.key_valid[:, None, None, :],
+                                         enable_gqa=gqa)
     return att.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
-def _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float):
-    gate, up = F.linear(rms_norm(hid, norm, norm_bias, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down, down_bias)
+def _mlp(hid, w: LayerWeights, eps: float):
+    gate, up = F.linear(rms_norm(hid, w.mlp_norm, w.mlp_norm_bias, eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
-def attend_mlp(q, resid, keys, values, key_valid, o, o_bias, norm, norm_bias, gate_up, gate_up_bias, down,
-               down_bias, eps: float):
+def attend_mlp(q, resid, cache: LayerCache, w: LayerWeights, shape: LayerShape):
     """The rest of a layer for the rows whose queries are ``q [B, H, Q, hd]`` and whose layer inputs are
     ``resid [B, Q, d]``: attention over the layer's cache, o and the residual, then the MLP (norm, fused gate/up,
     SwiGLU, down) and its residual → ``[B, Q, d]``."""
-    hid = resid + F.linear(_attend(q, keys, values, key_valid), o, o_bias)
-    return hid + _mlp(hid, norm, norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
+    hid = resid + F.linear(_attend(q, cache), w.o, w.o_bias)
+    return hid + _mlp(hid, w, shape.eps)
 
 
-def cached_rows(h, rows, q, keys, values, key_valid, attn, mlp, o, o_bias, norm, norm_bias, gate_up, gate_up_bias,
-                down, down_bias, eps: float):
+def cached_rows(h, rows, q, cache: LayerCache, features: CachedOutputs, w: LayerWeights, shape: LayerShape):
     """A layer pass with feature caching (:class:`~polestar.models.hooks.CachedFeatures`): the rows ``rows [B, R]``
     of the plan rows ``h [B, C, d]``, whose queries are ``q [B, H, R, hd]``, attend over the layer's cache; their o
-    output replaces theirs in the cached attention outputs ``attn [B, C, d]``, the MLP branch of their
-    ``h + attn`` replaces theirs in the cached MLP outputs ``mlp [B, C, d]``. → the new ``attn``, the new ``mlp``
-    (the caller writes them back) and every plan row's output ``(h + attn) + mlp`` ``[B, C, d]``."""
+    output replaces theirs in the cached attention outputs ``features.attn [B, C, d]``, the MLP branch of their
+    ``h + attn`` replaces theirs in the cached MLP outputs ``features.mlp [B, C, d]``. → the new
+    :class:`CachedOutputs` (the caller writes them back) and every plan row's output ``(h + attn) + mlp``
+    ``[B, C, d]``."""
     index = rows[..., None].expand(-1, -1, h.shape[-1])
-    attn = attn.scatter(1, index, F.linear(_attend(q, keys, values, key_valid), o, o_bias))
+    attn = features.attn.scatter(1, index, F.linear(_attend(q, cache), w.o, w.o_bias))
     hid = h + attn
-    mlp = mlp.scatter(1, index, _mlp(hid.gather(1, index), norm, norm_bias, gate_up, gate_up_bias, down, down_bias,
-                                     eps))
-    return attn, mlp, hid + mlp
+    mlp = features.mlp.scatter(1, index, _mlp(hid.gather(1, index), w, shape.eps))
+    return CachedOutputs(attn, mlp), hid + mlp
 
 
-def _scatter_(t, slot, rows):
-    """``t`` with ``rows`` written at ``slot`` along dim 2, in place (eager glue)."""
-    return t.scatter_(2, slot, rows)
+def _write_kv(cache: LayerCache, kv_index, qk, proj, shape: LayerShape) -> None:
+    """The K/V of rows at cache slots ``kv_index [B, X]`` written into the layer's cache in place (eager glue)."""
+    n_heads, n_kv_heads = shape.n_heads, shape.n_kv_heads
+    slot = kv_index[:, None, :, None].expand(-1, n_kv_heads, -1, qk.shape[-1])
+    cache.keys.scatter_(2, slot, qk[:, :, n_heads:].transpose(1, 2))
+    cache.values.scatter_(2, slot, proj[:, :, n_heads + n_kv_heads :].transpose(1, 2))
 
 
-def _layer_pass(qkv_fn, attend_fn, write, h, kv_index, cos, sin, key_valid, keys, values, attn_norm, attn_norm_bias,
-                qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps: float,
-                n_heads: int, n_kv_heads: int):
-    """A whole layer for the plan rows ``h [B, X, d]`` without a hook: q/k/v (``qkv_fn``, :func:`qkv_rows`), their
-    K/V written (``write``) into the layer's ``keys, values [B, Hkv, T + 1, hd]`` at ``kv_index [B, X]``, then
-    attention, o and the MLP (``attend_fn``, :func:`attend_mlp`) → ``(out [B, X, d], keys, values)``."""
-    qk, proj = qkv_fn(h, attn_norm, attn_norm_bias, qkv, qkv_bias, cos, sin, eps, n_heads, n_kv_heads)
-    slot = kv_index[:, None, :, None].expand(-1, n_kv_heads, -1, cos.shape[-1])
-    keys = write(keys, slot, qk[:, :, n_heads:].transpose(1, 2))
-    values = write(values, slot, proj[:, :, n_heads + n_kv_heads :].transpose(1, 2))
-    out = attend_fn(qk[:, :, :n_heads].transpose(1, 2), h, keys, values, key_valid, o, o_bias, mlp_norm,
-                    mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
-    return out, keys, values
+class LayerPasses(NamedTuple):
+    """The whole-layer passes, made of region pieces with the K/V (and cached features) written in place between
+    them (eager glue):
 
+    ``decoder_layer(h, kv_index, rope, cache, w, shape)``: the plan rows ``h [B, X, d]`` through q/k/v, their K/V
+    written into ``cache`` at ``kv_index [B, X]``, then attention, o and the MLP → ``out [B, X, d]``.
 
-def _feature_pass(qkv_fn, cached_fn, write, h, rows, kv_index, cos, sin, key_valid, keys, values, attn, mlp,
-                  attn_norm, attn_norm_bias, qkv, qkv_bias, o, o_bias, mlp_norm, mlp_norm_bias, gate_up,
-                  gate_up_bias, down, down_bias, eps: float, n_heads: int, n_kv_heads: int):
-    """A layer pass with feature caching, whole: the rows ``rows [B, R]`` of the plan rows ``h [B, C, d]`` (cache
-    slots ``kv_index [B, C]``, rotary factors ``cos, sin [B, C, 1, hd]``) go through q/k/v, their K/V are written
-    into the layer's ``keys, values``, then :func:`cached_rows` (``cached_fn``) → ``(out [B, C, d], keys, values,
-    attn, mlp)``."""
-    slot = rows[:, :, None, None].expand(-1, -1, 1, cos.shape[-1])
-    picked = h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1]))
-    qk, proj = qkv_fn(picked, attn_norm, attn_norm_bias, qkv, qkv_bias, cos.gather(1, slot), sin.gather(1, slot),
-                      eps, n_heads, n_kv_heads)
-    kv_slot = kv_index.gather(1, rows)[:, None, :, None].expand(-1, n_kv_heads, -1, cos.shape[-1])
-    keys = write(keys, kv_slot, qk[:, :, n_heads:].transpose(1, 2))
-    values = write(values, kv_slot, proj[:, :, n_heads + n_kv_heads :].transpose(1, 2))
-    attn, mlp, out = cached_fn(h, rows, qk[:, :, :n_heads].transpose(1, 2), keys, values, key_valid, attn, mlp, o,
-                               o_bias, mlp_norm, mlp_norm_bias, gate_up, gate_up_bias, down, down_bias, eps)
-    return out, keys, values, attn, mlp
+    ``feature_layer(h, rows, kv_index, rope, cache, features, w, shape)``: feature caching's pass: the rows
+    ``rows [B, R]`` of the plan rows ``h [B, C, d]`` (slots ``kv_index [B, C]``, factors ``rope`` of the ``C`` rows)
+    through q/k/v, their K/V written, then :func:`cached_rows`, whose new outputs are copied into ``features``
+    → ``out [B, C, d]``."""
 
+    qkv_fn: Callable
+    attend_fn: Callable
+    cached_fn: Callable
 
-class WritesBack:
-    """A layer pass that writes the layer's buffers in place: ``fn(*args)`` returns ``(out, *buffers)``, and each
-    buffer is copied into the argument at the matching position of ``written`` unless it is that argument already
-    (an in-place write). Returns ``out``."""
+    def decoder_layer(self, h, kv_index, rope: RopeTable, cache: LayerCache, w: LayerWeights, shape: LayerShape):
+        qk, proj = self.qkv_fn(h, rope, w, shape)
+        _write_kv(cache, kv_index, qk, proj, shape)
+        return self.attend_fn(qk[:, :, : shape.n_heads].transpose(1, 2), h, cache, w, shape)
 
-    def __init__(self, fn: Callable, written: tuple[int, ...]) -> None:
-        self.fn, self.written = fn, written
-
-    def __call__(self, *args):
-        out, *buffers = self.fn(*args)
-        for i, new in zip(self.written, buffers):
-            if new is not args[i]:
-                args[i].copy_(new)
+    def feature_layer(self, h, rows, kv_index, rope: RopeTable, cache: LayerCache, features: CachedOutputs,
+                      w: LayerWeights, shape: LayerShape):
+        picked = h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1]))
+        qk, proj = self.qkv_fn(picked, rope.rows(rows), w, shape)
+        _write_kv(cache, kv_index.gather(1, rows), qk, proj, shape)
+        new, out = self.cached_fn(h, rows, qk[:, :, : shape.n_heads].transpose(1, 2), cache, features, w, shape)
+        for kept, fresh in zip(features, new):
+            kept.copy_(fresh)
         return out
-
-
-#: argument positions of the buffers each pass writes, in the order it returns them
-_LAYER_WRITES, _FEATURE_WRITES = (5, 6), (6, 7, 8, 9)
-
-
-def _passes(qkv_fn, attend_fn, cached_fn) -> tuple[WritesBack, WritesBack]:
-    """The two whole-layer passes made of region pieces, the K/V written in place between them (eager glue)."""
-    return (WritesBack(functools.partial(_layer_pass, qkv_fn, attend_fn, _scatter_), _LAYER_WRITES),
-            WritesBack(functools.partial(_feature_pass, qkv_fn, cached_fn, _scatter_), _FEATURE_WRITES))
 
 
 def project_rows(rows, norm, norm_bias, weight, bias, eps: float):
@@ -166,15 +172,13 @@ def project_rows(rows, norm, norm_bias, weight, bias, eps: float):
 class Regions(NamedTuple):
     """The functions a layer's pass calls for its model work (:meth:`~polestar.models.backbone.DiffusionLM.
     layer_step` reads them from :func:`active`): the plain functions of this module (:data:`PLAIN`) or each compiled
-    on its own (:func:`compiled`). ``decoder_layer`` (a layer without a hook) and ``feature_layer`` (a layer with
-    feature caching) are whole passes made of the pieces, the K/V written in place between them
-    (:class:`WritesBack`)."""
+    on its own (:func:`compiled`). ``passes`` (:class:`LayerPasses`): the whole-layer passes made of those pieces,
+    for a layer without a hook and a layer with feature caching."""
 
     qkv_rows: Callable
     attend_mlp: Callable
     project_rows: Callable
-    decoder_layer: WritesBack
-    feature_layer: WritesBack
+    passes: LayerPasses
     #: how these regions were compiled (``compile(fn) -> compiled fn``); None where they are the plain functions
     compile: Callable | None = None
 
@@ -182,7 +186,7 @@ class Regions(NamedTuple):
 #: the region pieces, compiled on their own by :func:`compiled`
 PIECES = (qkv_rows, attend_mlp, project_rows, cached_rows)
 #: the plain functions (eager steps)
-PLAIN = Regions(qkv_rows, attend_mlp, project_rows, *_passes(qkv_rows, attend_mlp, cached_rows))
+PLAIN = Regions(qkv_rows, attend_mlp, project_rows, LayerPasses(qkv_rows, attend_mlp, cached_rows))
 _ACTIVE: list[Regions] = [PLAIN]
 _COMPILED: dict[tuple, Regions] = {}
 
@@ -221,4 +225,4 @@ def compiled_with(compile: Callable) -> Regions:
     passes made of those pieces, their K/V written in place between them (:func:`compiled`'s regions for one
     backend)."""
     qkv_fn, attend_fn, project_fn, cached_fn = (compile(fn) for fn in PIECES)
-    return Regions(qkv_fn, attend_fn, project_fn, *_passes(qkv_fn, attend_fn, cached_fn), compile)
+    return Regions(qkv_fn, attend_fn, project_fn, LayerPasses(qkv_fn, attend_fn, cached_fn), compile)

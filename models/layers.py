@@ -57,21 +57,37 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: flo
 
 
 class RopeTable(NamedTuple):
-    """Rotary factors of ``X`` rows, laid out for rows of heads ``[B, X, n_heads, hd]``: ``cos [B, X, 1, hd]`` and
-    ``sin [B, X, 1, hd]`` with its first half negated, fp32 (:meth:`Rotary.table`). Built once per plan and step, then
-    shared by every layer that runs those rows."""
+    """Rotary factors of ``X`` rows, laid out for rows of heads ``[B, X, n_heads, hd]``: ``factors [B, X, 2, hd]``
+    fp32, the cosine at index 0 and the sine with its first half negated at index 1 (:meth:`Rotary.table`), so one
+    gather looks both up and one concatenation joins two tables; :attr:`cos` and :attr:`sin` are their ``[B, X, 1,
+    hd]`` views. Built once per plan and step, then shared by every layer that runs those rows."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    factors: torch.Tensor
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.factors[:, :, 0:1]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.factors[:, :, 1:2]
 
     def rows(self, index: torch.Tensor) -> RopeTable:
-        """The factors of rows ``index [B, R]`` (indices into this table's ``X`` rows) → ``[B, R, 1, hd]``."""
-        slot = index[:, :, None, None].expand(-1, -1, 1, self.cos.shape[-1])
-        return RopeTable(self.cos.gather(1, slot), self.sin.gather(1, slot))
+        """The factors of rows ``index [B, R]`` (indices into this table's ``X`` rows) → ``[B, R, 2, hd]``."""
+        slot = index[:, :, None, None].expand(-1, -1, *self.factors.shape[2:])
+        return RopeTable(self.factors.gather(1, slot))
+
+    @staticmethod
+    def join(tables) -> RopeTable:
+        """The tables' rows one after another (one concatenation)."""
+        tables = list(tables)
+        if len(tables) == 1:
+            return tables[0]
+        return RopeTable(torch.cat([t.factors for t in tables], dim=1))
 
     def cat(self, other: RopeTable) -> RopeTable:
         """This table's rows followed by ``other``'s."""
-        return RopeTable(torch.cat([self.cos, other.cos], dim=1), torch.cat([self.sin, other.sin], dim=1))
+        return RopeTable.join((self, other))
 
 
 class Rotary(nn.Module):
@@ -102,7 +118,7 @@ class Rotary(nn.Module):
         cos, sin = self.cos_sin(positions)
         half = sin.shape[-1] // 2
         signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return RopeTable(cos.transpose(1, 2), signed.transpose(1, 2))
+        return RopeTable(torch.cat((cos, signed), dim=1).transpose(1, 2).contiguous())
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,7 +128,8 @@ class Rotary(nn.Module):
         return (xf * cos + rotated * sin).to(x.dtype)
 
     @staticmethod
-    def rotate(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
-        """``x [B, X, n, hd]`` rotated by ``table`` (rows ``X``), in fp32, returned in ``x``'s dtype."""
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [B, X, n, hd]`` rotated by a :class:`RopeTable`'s ``cos`` and ``sin`` (``[B, X, 1, hd]``), in fp32,
+        returned in ``x``'s dtype."""
         xf = x.float()
-        return (xf * table.cos + xf.roll(xf.shape[-1] // 2, dims=-1) * table.sin).to(x.dtype)
+        return (xf * cos + xf.roll(xf.shape[-1] // 2, dims=-1) * sin).to(x.dtype)

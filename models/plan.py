@@ -49,14 +49,15 @@ class DecodeCache:
     RoPE) and values; ``hidden``: a tuple of ``n_layers`` tensors ``[B, T + 1, d_model]``, the input of each layer
     (only when ``store_hidden``, else None); ``key_valid``: ``[B, T + 1]`` bool, False for left padding and the trash
     slot; ``positions``: ``[B, T + 1]`` long RoPE positions (left padding does not shift a prompt's positions);
-    ``position_rope``: the rotary factors (a :class:`~polestar.models.layers.RopeTable`, ``[B, T + 1, 1, hd]``) of the
-    positions ``0 .. T``, set by the model that makes the cache (``DiffusionLM.new_cache``), else None.
+    ``position_rope``: the rotary factors (a :class:`~polestar.models.layers.RopeTable`, ``[B, T + 1, 2, hd]``) of the
+    positions ``0 .. T``, and ``slot_rope`` those of each slot's position (``[B, T + 1, 2, hd]``, rewritten in place by
+    :meth:`reset`), both set by the model that makes the cache (``DiffusionLM.new_cache``: :meth:`set_rope`), else
+    None.
 
     ``k_stack, v_stack``: the same keys and values as one ``[n_layers, B, n_kv_heads, T + 1, head_dim]`` tensor
     each, whose rows ``k`` and ``v`` are, and ``hidden_stack`` the stored inputs as one ``[n_layers, B, T + 1,
-    d_model]`` (what a scan over a run of layers reads and writes back, :mod:`polestar.models.layer_scan`). A cache
-    made under autograd keeps one tensor per layer instead (None here): a full forward under autograd saves every
-    layer's keys, and a write into one row of a stack would bump the
+    d_model]`` (one write clears them all). A cache made under autograd keeps one tensor per layer instead (None
+    here): a full forward under autograd saves every layer's keys, and a write into one row of a stack would bump the
     autograd version of all of them.
     """
 
@@ -91,6 +92,14 @@ class DecodeCache:
             self.hidden = self.hidden_stack.unbind(0)
         self.key_valid, self.positions = _validity_and_positions(attention_mask)
         self.position_rope = None
+        self.slot_rope = None
+
+    def set_rope(self, position_rope) -> None:
+        """Keep the rotary factors of every position ``0 .. T`` (a :class:`~polestar.models.layers.RopeTable`
+        ``[B, T + 1, 2, hd]``) and look up those of every slot's position once (``slot_rope``): a step then takes
+        its rows' factors with one gather by slot."""
+        self.position_rope = position_rope
+        self.slot_rope = position_rope.rows(self.positions)
 
     def reset(self, attention_mask: torch.Tensor) -> None:
         """Reuse this cache for a generation of the same shape with ``attention_mask [B, T]``, in place: its validity
@@ -98,6 +107,8 @@ class DecodeCache:
         key_valid, positions = _validity_and_positions(attention_mask)
         self.key_valid.copy_(key_valid)
         self.positions.copy_(positions)
+        if self.slot_rope is not None:
+            self.slot_rope.factors.copy_(self.position_rope.rows(self.positions).factors)
         for t in (*self.k, *self.v, *(self.hidden or ())):
             t.zero_()
 

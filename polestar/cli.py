@@ -279,7 +279,7 @@ def cmd_generate(args) -> int:
     print(f"[{label}] nfe={s.nfe} tpf={s.tpf:.2f} tps={s.tps:.1f} wall={s.wall_s:.2f}s{compiled} "
           f"token_layer_evals={s.token_layer_evals} proxy_query_evals={s.proxy_query_evals} "
           f"weight_bytes/token={s.weight_bytes_per_token:.0f} weight_bytes/step={s.weight_bytes_per_step:.0f} "
-          f"kv_bytes={s.kv_bytes}", file=sys.stderr)
+          f"kv_bytes={s.kv_bytes}" + (f" revoked={s.revoked}" if s.revoked else ""), file=sys.stderr)
     return 0
 
 

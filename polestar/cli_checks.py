@@ -150,20 +150,34 @@ def check_plot_backend(path: str | None) -> None:
                          "(or pip install 'polestar-dllm[bench]'), or drop --plot") from None
 
 
-def split_policies(text: str) -> list[str]:
-    """``--policies a,b`` → ``["a", "b"]``; an empty list, an unknown or a repeated name is an error."""
+def split_policies(text: str, entries: bool = True) -> list[str]:
+    """``--policies a,b`` → ``["a", "b"]``; with ``entries`` a name may carry settings of its own,
+    ``polestar[drift=peakjs]`` (:mod:`polestar.entries`; returned in their canonical spelling). An empty list,
+    a malformed entry, an unknown or a repeated one is an error."""
+    from polestar import registry
+    from polestar.entries import parse_entry, split_entries
     from polestar.policy import policy_names
 
-    policies = [p.strip() for p in text.split(",") if p.strip()]
+    names = policy_names()
+    policies = []
+    for part in split_entries(text):
+        if not entries and "[" in part:
+            raise UsageError(f"--policies takes registered policy names here, not {part!r}; "
+                             f"give the settings with --set")
+        try:
+            entry = parse_entry(part, _parse_value)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        if entry.policy not in names:
+            hint = registry.did_you_mean(entry.policy, names)
+            raise UsageError(f"unknown policy {entry.policy!r} in --policies{hint}; "
+                             f"registered policies: {', '.join(names)}")
+        policies.append(entry.text)
     if not policies:
-        raise UsageError(f"--policies is empty; name at least one of: {', '.join(policy_names())}")
-    unknown = [p for p in policies if p not in policy_names()]
-    if unknown:
-        raise UsageError(f"unknown policy {unknown[0]!r} in --policies; "
-                         f"registered policies: {', '.join(policy_names())}")
+        raise UsageError(f"--policies is empty; name at least one of: {', '.join(names)}")
     repeated = sorted({p for p in policies if policies.count(p) > 1})
     if repeated:
-        raise UsageError(f"--policies names {repeated[0]!r} twice; list each policy once")
+        raise UsageError(f"--policies names {repeated[0]!r} twice; list each entry once")
     return policies
 
 

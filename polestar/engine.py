@@ -262,10 +262,10 @@ def finish_stats(gen: Generation, meter: _RunMeter, calls: int, wall: float) -> 
     spec, totals = gen.model.spec, gen.totals
     out = gen.state.x[:, gen.state.prompt_len :]
     tokens = ((out != spec.eos_id) & (out != spec.mask_id)).sum(dim=1)
-    rows = torch.stack([totals.nfe, tokens, totals.evals, totals.failed_at], dim=1).tolist()
-    seqs = tuple(SequenceStats(n, t, e, _error_message(f)) for n, t, e, f in rows)
+    rows = torch.stack([totals.nfe, tokens, totals.evals, totals.failed_at, totals.revoked], dim=1).tolist()
+    seqs = tuple(SequenceStats(n, t, e, _error_message(f), r) for n, t, e, f, r in rows)
     return RunStats(calls, sum(r[1] for r in rows), wall, meter.layer_rows, seqs, weight_bytes=meter.weight_bytes,
-                    kv_bytes=meter.kv_bytes, proxy_query_evals=meter.probe_rows)
+                    kv_bytes=meter.kv_bytes, proxy_query_evals=meter.probe_rows, revoked=sum(r[4] for r in rows))
 
 
 def _record(gen: Generation, out, position: StepPosition, before: torch.Tensor) -> StepRecord:

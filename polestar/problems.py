@@ -74,6 +74,6 @@ def progress_bar(total: int, show: bool, desc: str = "bench"):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is in the bench/test extras
         return None
-    # the rate since the start, not a moving average: the ETA then reads the decode rate once the caller has moved
-    # ``start_t`` past time spent compiling
+    # the rate since the start, not a moving average: the ETA then reads the decode rate once the caller has
+    # restarted the rate after each policy's first batch and moved ``start_t`` past later compiles
     return tqdm(total=total, desc=desc, unit="problem", smoothing=0)

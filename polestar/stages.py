@@ -192,8 +192,9 @@ class CommitRule(Stage):
 
     ``select(pred, masked, state, local)`` → :class:`~polestar.state.CommitSelection` (``commit [B, bl]`` bool).
     ``masked``: ``[B, bl]`` bool masked positions of active rows. The engine commits only masked positions and
-    guarantees at least one commit per active row. ``needs_random``: the rule reads ``state.random.remask``
-    (``[B, bl]`` uniform scores drawn before each step).
+    guarantees at least one commit per active row. A rule may also take committed tokens of the block back
+    (``CommitSelection.revoke``): the engine masks them again (:func:`~polestar.state.revocations`).
+    ``needs_random``: the rule reads ``state.random.remask`` (``[B, bl]`` uniform scores drawn before each step).
     """
 
     wants_packet: bool = False
@@ -215,6 +216,13 @@ class CommitRule(Stage):
 
     def observe_probe(self, state: DecodeState, probs: torch.Tensor, local: Any) -> None:
         """Receives the probed attention ``[B, H, R, T+1]`` before ``select``."""
+
+    def verify(self, state: DecodeState, cache: DecodeCache, model, local: Any) -> StepCost | None:
+        """Model work of the rule's own, in the step after the forward and before :meth:`select`, its results
+        written into ``local`` in place (WINO's shadow block re-scores the block's committed tokens over the K/V
+        the forward just wrote): its :class:`~polestar.models.cost.StepCost`, added to the step's, or None (no
+        work; the default)."""
+        return None
 
     def suffix(self, state: DecodeState, local: Any, packet: UpdatePacket | None) -> SuffixCommit | None:
         """Commits outside the block (:class:`~polestar.state.SuffixCommit`) or None; ``packet``: this step's

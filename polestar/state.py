@@ -103,12 +103,35 @@ class CommitSelection(NamedTuple):
     ``commit``: ``[B, bl]`` bool, the rule's commits; ``early``: ``[B, bl]`` bool or None, commits admitted below
     the rule's threshold by an adaptive criterion (Polestar-Commit's drift-delta gate); ``gate_candidates``:
     ``[B, bl]`` bool or None, the masked positions that criterion was evaluated on (the confidence band, at steps
-    where a drift delta exists).
+    where a drift delta exists); ``revoke``: ``[B, bl]`` bool or None, committed positions of the region the rule
+    takes back (the engine puts the mask token there again; :func:`revocations` says which it honours).
     """
 
     commit: torch.Tensor
     early: torch.Tensor | None = None
     gate_candidates: torch.Tensor | None = None
+    revoke: torch.Tensor | None = None
+
+
+#: the revocation guard: a region accepts revocations only in its first ``REVOKE_STEPS_PER_POSITION × R`` steps
+#: (``R`` the region's width); later steps ignore them, so the engine's one commit per step ends the region at most
+#: ``R`` steps after that, whatever a rule revokes
+REVOKE_STEPS_PER_POSITION = 2
+
+
+def revocations(revoke: torch.Tensor | None, masked: torch.Tensor, transfer: torch.Tensor,
+                state: DecodeState) -> torch.Tensor | None:
+    """The revocations the engine applies this step: of a rule's ``revoke [B, R]``, the valid region positions of
+    active rows that hold a committed token before the step (not masked; ``masked [B, R]`` are the step's masked
+    positions of active rows) and that the step does not commit (``transfer [B, R]``), while the region's step is
+    below the guard (:data:`REVOKE_STEPS_PER_POSITION`). A prompt column never qualifies. None when the rule
+    revokes nothing. No host read, fixed shapes."""
+    if revoke is None:
+        return None
+    R = masked.shape[1]
+    held = (state.x.gather(1, state.region) != state.mask_id) & state.region_valid & state.active[:, None]
+    in_time = state.clock.step < REVOKE_STEPS_PER_POSITION * R
+    return revoke & held & ~masked & ~transfer & (state.region >= state.prompt_len) & in_time
 
 
 class SuffixCommit(NamedTuple):
@@ -124,13 +147,16 @@ class SuffixCommit(NamedTuple):
 class CommitOrigins(NamedTuple):
     """Where one step's commits came from. ``rule``: ``[B, bl]`` the commit rule's selection (masked positions
     only); ``forced``: ``[B, bl]`` the engine's top-1 commit in rows the rule left without one; ``early`` and
-    ``gate_candidates``: as in :class:`CommitSelection`; ``suffix``: the rule's :class:`SuffixCommit` or None."""
+    ``gate_candidates``: as in :class:`CommitSelection`; ``suffix``: the rule's :class:`SuffixCommit` or None;
+    ``revoked``: ``[B, bl]`` committed positions the step masked again (:func:`revocations`), None where the rule
+    revokes nothing."""
 
     rule: torch.Tensor
     forced: torch.Tensor
     early: torch.Tensor | None
     gate_candidates: torch.Tensor | None
     suffix: SuffixCommit | None
+    revoked: torch.Tensor | None = None
 
     @property
     def block(self) -> torch.Tensor:
@@ -185,11 +211,14 @@ class StepDetail:
     of the plan rows layer ``l`` put through attention and the MLP, where a hook restricted the layer's pass to some
     of them (dLLM-Cache's feature cache; absent: every plan row). ``stages``: what one stage alone gathers, under
     a name of its own, layer → its record (:meth:`entry`; Polestar-Cache's cluster drifts, Elastic-Cache's
-    trigger): read by the stage's own trace figures (``Stage.trace_figures``)."""
+    trigger): read by the stage's own trace figures (``Stage.trace_figures``). ``verified[l]``: ``(positions [B, R],
+    valid [B, R])``, the columns whose rows the commit rule's own pass put through layer ``l``
+    (:meth:`~polestar.stages.CommitRule.verify`: WINO's shadow block, one row per block column)."""
 
     refreshed: dict = attrs.field(factory=dict)
     computed: dict = attrs.field(factory=dict)
     stages: dict = attrs.field(factory=dict)
+    verified: dict = attrs.field(factory=dict)
 
     def entry(self, name: str) -> dict:
         """The per-layer records a stage gathers under ``name`` (created empty on first use)."""

@@ -14,12 +14,15 @@ class SequenceStats:
     MLP, plan slots and sparse-update members, summed over layers and steps while the sequence was decoding (the
     run's total in :class:`RunStats` also counts padding, unused buffer slots and frozen rows, so the sum of these
     is at most the total and, unlike it, does not depend on the batch), ``tpf`` = tokens / nfe,
-    ``error``: why decoding of this sequence stopped early (e.g. non-finite logits), None when it finished."""
+    ``error``: why decoding of this sequence stopped early (e.g. non-finite logits), None when it finished;
+    ``revoked``: committed tokens the commit rule took back (masked again, e.g. WINO's narrow-out), counted beside
+    ``tokens``, which counts only the final ones."""
 
     nfe: int
     tokens: int
     token_layer_evals: int
     error: str | None = None
+    revoked: int = 0
 
     @property
     def tpf(self) -> float:
@@ -39,7 +42,8 @@ class RunStats:
     read by attention (proxy attention reads K only); ``sequences``: per-sequence :class:`SequenceStats`;
     ``compile_s``: seconds spent compiling (``torch.compile``) during the run, excluded from ``wall_s`` and so
     from ``tps``; ``compiled_steps``: steps that ran as one compiled graph (one CUDA-graph replay on CUDA), the
-    other ``nfe - compiled_steps`` ran eagerly."""
+    other ``nfe - compiled_steps`` ran eagerly; ``revoked``: committed tokens the commit rule took back, summed
+    over sequences (``tokens`` and ``tpf`` count only final tokens; ``revoked / tokens`` is the revocation rate)."""
 
     nfe: int
     tokens: int
@@ -51,6 +55,7 @@ class RunStats:
     kv_bytes: int = 0
     proxy_query_evals: int = 0
     compiled_steps: int = 0
+    revoked: int = 0
 
     @property
     def errors(self) -> list[tuple[int, str]]:
@@ -66,7 +71,7 @@ class RunStats:
             sequences=tuple(s for r in runs for s in r.sequences), compile_s=sum(r.compile_s for r in runs),
             weight_bytes=sum(r.weight_bytes for r in runs), kv_bytes=sum(r.kv_bytes for r in runs),
             proxy_query_evals=sum(r.proxy_query_evals for r in runs),
-            compiled_steps=sum(r.compiled_steps for r in runs),
+            compiled_steps=sum(r.compiled_steps for r in runs), revoked=sum(r.revoked for r in runs),
         )
 
     @property
@@ -112,9 +117,10 @@ class RunStats:
             "weight_bytes_per_token": self.weight_bytes_per_token,
             "weight_bytes_per_step": self.weight_bytes_per_step,
             "kv_bytes": self.kv_bytes,
+            "revoked": self.revoked,
             "per_sequence": [
                 {"nfe": s.nfe, "tokens": s.tokens, "tpf": s.tpf, "token_layer_evals": s.token_layer_evals,
-                 "error": s.error}
+                 "error": s.error, "revoked": s.revoked}
                 for s in self.sequences
             ],
         }

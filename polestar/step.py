@@ -56,6 +56,7 @@ from .state import (
     StepPhase,
     UpdatePacket,
     propose_from,
+    revocations,
     token_log_probs,
 )
 from .step_graphs import ReplayTape, StepGraphs
@@ -130,17 +131,19 @@ def block_forward(model: DiffusionLM, x: torch.Tensor, cache: DecodeCache, plan:
 class Totals:
     """Per-sequence accumulators of one generation, updated in place by every step (``[B]`` each): ``finished``
     bool, ``failed_at`` long (the step whose logits were non-finite, -1 if none), ``nfe`` long (forwards that
-    decoded the row), ``evals`` long (the row's own token-layer evaluations)."""
+    decoded the row), ``evals`` long (the row's own token-layer evaluations), ``revoked`` long (committed tokens
+    the commit rule took back, :func:`~polestar.state.revocations`)."""
 
     finished: torch.Tensor
     failed_at: torch.Tensor
     nfe: torch.Tensor
     evals: torch.Tensor
+    revoked: torch.Tensor
 
     @classmethod
     def zeros(cls, batch: int, device) -> Totals:
         z = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(z.bool(), z - 1, z.clone(), z.clone())
+        return cls(z.bool(), z - 1, z.clone(), z.clone(), z.clone())
 
     def reset(self) -> None:
         """Back to :meth:`zeros`, in place."""
@@ -148,6 +151,7 @@ class Totals:
         self.failed_at.fill_(-1)
         self.nfe.zero_()
         self.evals.zero_()
+        self.revoked.zero_()
 
 
 @attrs.frozen
@@ -317,6 +321,10 @@ def run_step(model: DiffusionLM, pipeline: Pipeline, inputs: StepInputs) -> Step
     target = region_targets(plan, state)
     with scope("forward"):  # includes the sparse update riding along it (Polestar's clustering, proxies, stores)
         logits, probs, packet_logits, cost = block_forward(model, state.x, cache, plan, target, probe, hook)
+        verified = commit.verify(state, cache, model, commit_local)  # the rule's own pass (WINO's shadow block)
+        if verified is not None:  # its rows count for every row it decoded, as the forward's do
+            cost = StepCost(*(a + b for a, b in zip(cost, verified)))
+            totals.evals.add_(state.active.long() * (verified.layer_rows // state.batch_size))
     held = hook.held() if hook is not None else None
     if held is not None:  # rows whose forward continues in the next step (decided in this one) commit nothing here
         state.active.logical_and_(~held)
@@ -337,10 +345,14 @@ def run_step(model: DiffusionLM, pipeline: Pipeline, inputs: StepInputs) -> Step
         transfer = chosen.commit & masked
     forced = forced_commits(transfer, masked, pred.confidence)
     rule_transfer, transfer = transfer, transfer | forced
+    revoked = revocations(chosen.revoke, masked, transfer, state)
     state.last_commits.copy_(transfer.sum(dim=1))
     cols = state.block_columns()
     seen_cols = cols.clone() if state.detail is not None else None  # the region moves in place below
     block_x = state.x.gather(1, cols)
+    if revoked is not None:  # taken back: the mask token again, counted beside the commits
+        block_x = block_x.masked_fill(revoked, spec.mask_id)
+        totals.revoked.add_(revoked.sum(dim=1))
     state.x.scatter_(1, cols, torch.where(transfer, pred.tokens, block_x))
     state.schedule.advance(state, transfer, pred.tokens, stops if config.stop_at_eos else None)
     extra = commit.suffix(state, commit_local, packet)
@@ -369,7 +381,8 @@ def run_step(model: DiffusionLM, pipeline: Pipeline, inputs: StepInputs) -> Step
     view = None
     if state.detail is not None:
         view = StepView(plan, stepped, masked, pred.confidence,
-                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra), seen_cols,
+                        CommitOrigins(rule_transfer, forced, chosen.early, chosen.gate_candidates, extra, revoked),
+                        seen_cols,
                         torch.zeros_like(stepped) if held is None else held)
     return StepOutput(work, cost, view)
 

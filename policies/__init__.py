@@ -6,10 +6,13 @@ from . import (  # noqa: F401  (registration side effects)
     cluster,
     commit_adaptive,
     commit_basic,
+    commit_calibrated,
+    commit_wino,
     drift,
     offload,
     quant,
     refresh_basic,
+    refresh_d2cache,
     refresh_dllm,
     refresh_elastic,
     refresh_polestar,
@@ -36,6 +39,8 @@ _POLICIES = [
      "Polestar-Commit alone: dual cache + drift-delta early commit (no update packets, no suffix commit)"),
     ("eb", "dual", "entropy-bound", "EB-sampler: dual cache + entropy-bounded commit"),
     ("klass", "dual", "klass", "KLASS: dual cache + KL-stability commit"),
+    ("wino", "full", "wino",
+     "WINO: no cache, revokable commits (wide-in drafts above a threshold, a shadow block re-masks weak drafts)"),
 ]
 
 for _name, _refresh, _commit, _description in _POLICIES:
@@ -47,3 +52,23 @@ register_policy(PolicySpec(
     "dllm-cache", {"refresh": "dllm-cache", "commit": "topk"}, {"commit": {"mask_in_softmax": True}},
     description="dLLM-Cache: per-layer attention/MLP feature cache, interval prompt/response refresh, the ratio of "
                 "response rows whose values moved most recomputed in between; LLaDA's fixed steps per block"))
+
+# d2Cache's released loop (Research dLLM's vanilla decoding): fixed tokens per step, ranked by the softmax over the
+# whole vocabulary
+register_policy(PolicySpec(
+    "d2cache", {"refresh": "d2cache", "commit": "topk"}, {"commit": {"mask_in_softmax": True}},
+    description="d2Cache: after the first forward only chosen rows are recomputed: the current_k masked positions of "
+                "highest confidence x certainty density, the positions just committed and the attention-rollout "
+                "nucleus rollout_p; LLaDA's fixed steps per block"))
+
+# Research dLLM's vanilla loop with its calibrated scores: LLaDA's fixed steps per block, the confidence (softmax over
+# the whole vocabulary) times d2Cache's certainty density, or PC-Sampler's debiased, clipped score (d2Cache's release
+# settings; the papers' settings are the presets of the same names)
+register_policy(PolicySpec(
+    "certainty-prior", {"refresh": "full", "commit": "certainty-prior"}, {"commit": {"mask_in_softmax": True}},
+    description="d2Cache's certainty prior: no cache, confidence x Gaussian density (sigma 10) of the decoded "
+                "positions; LLaDA's fixed steps per block"))
+register_policy(PolicySpec(
+    "pc-sampler", {"refresh": "full", "commit": "pc-sampler"}, {"commit": {"mask_in_softmax": True}},
+    description="PC-Sampler: no cache, confidence debiased by the token's corpus frequency (-p log f, clipped at 10; "
+                "needs the checkpoint's token_frequency.json); LLaDA's fixed steps per block"))

@@ -172,11 +172,19 @@ class EntropyBoundCommit(CommitRule):
 
 @register("commit", "klass")
 class KLASSCommit(CommitRule):
-    """KLASS (Kim et al. 2025, "KL-Adaptive Stability Sampling"): commit masked tokens whose output distribution
-    moved less than ``kl_bound`` (KL between consecutive steps) for ``stable_steps`` consecutive steps and whose
-    confidence ≥ ``min_confidence``; the most confident token is always committed. The KL is taken between the
-    distributions the tokens are drawn from (:func:`~polestar.state.token_log_probs`, the mask token excluded).
-    Shapes: ``[B, bl]``."""
+    """KLASS (Kim et al. 2025, "KLASS: KL-Guided Fast Inference in Masked Diffusion Models", KL-Adaptive Stability
+    Sampling): a masked token is *stable* when its output distribution moved less than ``kl_bound`` (KL between
+    consecutive steps) at each of the last ``stable_steps`` steps and its confidence is above ``min_confidence``.
+    A step commits every stable token of the block and nothing else; only when no token is stable does it commit
+    the most confident one (the released code's fallback, a top-k of LLaDA's schedule, one per step here). The KL
+    is taken between the distributions the tokens are drawn from (:func:`~polestar.state.token_log_probs`, the mask
+    token excluded).
+
+    History: the released code keeps one KL history over the whole sequence across blocks and allows a commit from
+    the block's step ``stable_steps - 1`` on (its first KL compares with the previous block's last step). This rule
+    sees the block's distributions only (a dual cache never recomputes the next block's rows before it starts), so
+    the history starts at each block: the first KL is the block's second step, and a stable commit comes at step
+    ``stable_steps`` at the earliest -- as Research dLLM's ``klass`` decodes under its caches. Shapes: ``[B, bl]``."""
 
     needs = frozenset({Capability.BLOCK_REGION})  # the previous step's distributions, column by column
 
@@ -205,11 +213,12 @@ class KLASSCommit(CommitRule):
             streak = torch.zeros_like(masked, dtype=torch.long)
         local.logp.copy_(logp)
         local.streak.copy_(streak)
-        stable = (streak >= self.config.stable_steps) & (pred.confidence >= self.config.min_confidence)
-        return CommitSelection(threshold_transfer(pred.confidence, masked, 2.0) | (masked & stable))
+        stable = masked & (streak >= self.config.stable_steps) & (pred.confidence > self.config.min_confidence)
+        top1 = threshold_transfer(pred.confidence, masked, 2.0)  # the most confident masked token alone
+        return CommitSelection(torch.where(stable.any(dim=1, keepdim=True), stable, top1))
 
     def floor(self) -> CommitFloor:
-        """Below ``min_confidence`` only the most confident position of a row."""
+        """Below ``min_confidence`` only the most confident position of a row (when nothing is stable)."""
         return CommitFloor(self.config.min_confidence, 1)
 
 

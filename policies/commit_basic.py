@@ -100,29 +100,61 @@ class ThresholdCommit(CommitRule):
         return CommitFloor(self.config.threshold, 1)
 
 
+def _factor_count_code(ordered: torch.Tensor, inside: torch.Tensor, n_masked: torch.Tensor,
+                       factor: float) -> torch.Tensor:
+    """Fast-dLLM's released code: ranks pass while ``c_n ≥ 1 - factor / (n + 1)``; a first failure at the last
+    masked rank commits that rank too. ``ordered [B, n]`` descending, ``inside [B, n]`` → counts ``[B]``."""
+    rank = torch.arange(ordered.shape[1], device=ordered.device)
+    bound = 1.0 - factor / (rank + 2.0)
+    bound[0] = -1.0
+    fails = (ordered < bound) & inside
+    first_fail = torch.where(fails.any(dim=1), fails.long().argmax(dim=1), n_masked - 1)
+    return first_fail + ((first_fail == 0) | (first_fail == n_masked - 1)).long()
+
+
+def _factor_count_paper(ordered: torch.Tensor, inside: torch.Tensor, n_masked: torch.Tensor,
+                        factor: float) -> torch.Tensor:
+    """The paper's bound: the longest prefix of ranks with ``(n + 1)(1 - c_n) < factor``, the first always.
+    ``ordered [B, n]`` descending, ``inside [B, n]`` → counts ``[B]``."""
+    rank = torch.arange(ordered.shape[1], device=ordered.device)
+    passes = ((rank + 2.0) * (1.0 - ordered) < factor) & inside
+    passes[:, 0] = True
+    return passes.long().cumprod(dim=1).sum(dim=1)
+
+
+#: The factor rule's variants (:class:`FactorCommit`): how many of a step's sorted confidences it commits, and how
+#: many of them may fall below the rule's floor.
+_FACTOR_RULES = {"code": (_factor_count_code, 2), "paper": (_factor_count_paper, 1)}
+
+
 @register("commit", "factor")
 class FactorCommit(CommitRule):
-    """Fast-dLLM's factor rule: sort masked confidences ``c_1 ≥ c_2 ≥ …`` and commit the ``n`` most confident while
-    ``c_n ≥ 1 - factor / (n + 1)`` (the first always). Reproduces the reference's edge case: when the first
-    failing rank is the last masked token, that token is committed as well. Shapes: ``[B, bl]``."""
+    """Fast-dLLM's factor rule (Wu et al. 2025, "Fast-dLLM: Training-free Acceleration of Diffusion LLM by
+    Enabling KV Cache and Parallel Decoding"): sort the masked confidences ``c_1 ≥ c_2 ≥ …`` and commit the ``n``
+    most confident, the first always. Two variants (``rule``):
+
+    * ``paper``: the largest ``n`` with ``(n + 1)(1 - c_n) < factor`` for every rank up to ``n`` -- the bound as
+      the paper states it (strict; the product grows with ``n``, so the passing ranks are a prefix).
+    * ``code``: the released code's ``get_transfer_index_dynamic``: a rank passes while
+      ``c_n ≥ 1 - factor / (n + 1)`` (not strict), and when the first failing rank is the last masked token, that
+      token is committed as well.
+
+    Shapes: ``[B, bl]``."""
 
     @attrs.frozen
     class Config:
         factor: float = attrs.field(default=1.0, converter=float, validator=[v.gt(0.0), v.le(100.0)])
+        rule: str = attrs.field(default="paper", validator=v.in_(tuple(_FACTOR_RULES)))
 
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         conf = pred.confidence.masked_fill(~masked, float("-inf"))
         n_masked = masked.sum(dim=1)
         ordered = conf.sort(dim=1, descending=True).values
-        rank = torch.arange(conf.shape[1], device=conf.device)
-        bound = 1.0 - self.config.factor / (rank + 2.0)
-        bound[0] = -1.0
-        fails = (ordered < bound) & (rank[None, :] < n_masked[:, None])
-        first_fail = torch.where(fails.any(dim=1), fails.long().argmax(dim=1), n_masked - 1)
-        count = first_fail + ((first_fail == 0) | (first_fail == n_masked - 1)).long()
+        inside = torch.arange(conf.shape[1], device=conf.device)[None, :] < n_masked[:, None]
+        count = _FACTOR_RULES[self.config.rule][0](ordered, inside, n_masked, self.config.factor)
         return CommitSelection(masked & (rank_descending(conf) < count[:, None]))
 
     def floor(self) -> CommitFloor:
-        """Ranks 2 and later of a step need ``c ≥ 1 - factor / 3`` or more; exempt are the first and the
-        reference's extra last token."""
-        return CommitFloor(max(0.0, 1.0 - self.config.factor / 3.0), 2)
+        """Ranks 2 and later of a step need ``c ≥ 1 - factor / 3`` or more; exempt are the first and, under the
+        ``code`` rule, its extra last token."""
+        return CommitFloor(max(0.0, 1.0 - self.config.factor / 3.0), _FACTOR_RULES[self.config.rule][1])

@@ -30,6 +30,7 @@ import torch
 from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
 from polestar.models.hooks import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
+from polestar.models.layers import RopeTable
 from polestar.models.plan import DecodeCache
 from polestar.profiling import declare_scopes, scope
 from polestar.stages import LayerHook
@@ -252,6 +253,10 @@ class PolestarMembers(MemberStrategy):
         self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
         self.capacity = buf.capacity
         self.proxy_slots = torch.full_like(buf.centroid_pos[0], cache.trash)  # centroids only query: the trash slot
+        # every layer's centroid rotary factors in one lookup per step: [B, L * K, 2, hd], layer l's K rows a view
+        L, B, K = buf.stacks.centroid_pos.shape
+        self.n_centroids = K
+        self.centroid_rope = ops.rope_of(cache, buf.stacks.centroid_pos.transpose(0, 1).reshape(B, L * K))
         self.wants_head = sel.packet_logits
         self.x = state.x
         self.n_kv = 0
@@ -268,16 +273,17 @@ class PolestarMembers(MemberStrategy):
                                       old, centroids.dtype))
 
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
-                   meter) -> ExtraRows | None:
+                   meter) -> ExtraRows | tuple[ExtraRows, ...] | None:
+        """The packet's K/V rows (``kv``) and, where the layer refreshes, its centroids as query-only rows (their
+        rotary factors from the step's one lookup); the layer pass joins them with its own rows."""
         buf = self.buffers
         self.n_kv = 0 if kv is None else kv.inputs.shape[1]
         if not self.sel.refreshes_layer(layer, self.ops.spec.n_layers):
             return kv
-        pos = buf.centroid_pos[layer]
-        proxies = ExtraRows(buf.centroids[layer], pos, self.proxy_slots)
-        if kv is None:
-            return proxies
-        return ExtraRows(*(torch.cat([a, b.to(a.dtype)], dim=1) for a, b in zip(kv, proxies)))
+        K = self.n_centroids
+        rope = RopeTable(self.centroid_rope.factors[:, layer * K : (layer + 1) * K])
+        proxies = ExtraRows(buf.centroids[layer], None, self.proxy_slots, rope)
+        return proxies if kv is None else (kv, proxies)
 
     def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
         local, buf, sel, ops = self.local, self.buffers, self.sel, self.ops

@@ -122,9 +122,10 @@ class MemberStrategy:
         raise NotImplementedError  # pragma: no cover
 
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
-                   meter) -> ExtraRows | None:
+                   meter) -> ExtraRows | tuple[ExtraRows, ...] | None:
         """The rows this layer's q/k/v pass computes besides the plan's: ``kv`` (the packet's K/V rows, or None)
-        plus any query-only rows of the strategy (``meter``: for embedding reads)."""
+        plus any query-only rows of the strategy (several :class:`ExtraRows` as a tuple; ``meter``: for embedding
+        reads)."""
         return kv
 
     def select(self, layer: int, qkv: LayerQKV, packet: Packet | None) -> Selection | None:
@@ -162,7 +163,7 @@ class SparseUpdate(LayerHook):
             return self._none
         return torch.cat(self.chosen, dim=1).sum(-1)
 
-    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | None:
+    def extra_rows(self, layer: int, h: torch.Tensor, meter) -> ExtraRows | tuple[ExtraRows, ...] | None:
         strategy, packet = self.strategy, self.packet_rows
         kv = None
         if packet is not None:
@@ -170,7 +171,7 @@ class SparseUpdate(LayerHook):
             strategy.store.write(layer, packet.rows, None, packet.out)  # unused rows are the trash row (Selection)
             strategy.on_write(layer, packet, old)
             slots = strategy.slots(packet.rows)  # invalid slots hold the trash row (Selection): the trash slot
-            kv = ExtraRows(packet.out, self.cache.positions.gather(1, slots), slots)
+            kv = ExtraRows(packet.out, None, slots, self.ops.slot_rope(self.cache, slots))
         return strategy.extra_rows(layer, h, packet, kv, meter)
 
     def members(self, layer: int, qkv: LayerQKV) -> MemberRows | None:

@@ -21,6 +21,7 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "docs" / "examples").glob("*.p
 #: what each example registers
 REGISTERS = {
     "cluster_stride": ("cluster", "stride"), "commit_same_twice": ("commit", "same-twice"),
+    "commit_revoke": ("commit", "second-thoughts"),
     "drift_hellinger": ("drift", "hellinger"), "offload_host": ("offload", "host"), "quant_int8": ("quant", "int8"),
     "refresh_lookahead": ("refresh", "lookahead"), "policy_hellinger": ("policy", "polestar-hellinger"),
     "refresh_every_k": ("refresh", "every-k"),

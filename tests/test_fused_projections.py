@@ -109,7 +109,7 @@ def test_rotating_q_and_k_heads_together_equals_the_half_split_formula(dtype):
     cos, sin = rotary.cos_sin(positions)
     expected = Rotary.apply(x.transpose(1, 2), cos, sin).transpose(1, 2)
     table = rotary.table(positions)
-    assert torch.equal(Rotary.rotate(x, table), expected)
+    assert torch.equal(Rotary.rotate(x, table.cos, table.sin), expected)
     rows = torch.tensor([[4, 0], [8, 8], [1, 2]])
     picked = table.rows(rows)
     assert torch.equal(picked.cos, table.cos.gather(1, rows[:, :, None, None].expand(-1, -1, 1, 16)))

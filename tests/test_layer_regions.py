@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import polestar
-from polestar.models.layer_regions import PLAIN
+from polestar.models.layer_regions import PLAIN, CachedOutputs, LayerCache, LayerShape, LayerWeights
+from polestar.models.layers import RopeTable
 from polestar.testing import tiny_model
 
 PROMPTS = [[5, 17, 3, 8], [9, 1, 22, 30, 4, 11]]
@@ -52,17 +53,19 @@ def test_regions_compiled_by_inductor_equal_their_eager_results():
                     gate_up=rand(4 * d, d, scale=0.1), down=rand(d, 2 * d, scale=0.1)) for _ in range(L)]
     valid = torch.ones(B, T + 1, dtype=torch.bool)
     valid[:, -1] = False
-    h, cos, sin = rand(B, X, d), rand(B, X, 1, hd), rand(B, X, 1, hd)
+    h, rope = rand(B, X, d), RopeTable(rand(B, X, 2, hd))
     index = torch.arange(3, 3 + X).expand(B, X)
+    shape = LayerShape(H, H, 1e-5)
 
     def layers(h, keys, values):
         for w, k_cache, v_cache in zip(weights, keys, values):
-            qk, qkv = PLAIN.qkv_rows(h, w["norm"], None, w["qkv"], None, cos, sin, 1e-5, H, H)
+            record = LayerWeights(w["norm"], None, w["qkv"], None, w["o"], None, w["mlp_norm"], None, w["gate_up"],
+                                  None, w["down"], None)
+            qk, qkv = PLAIN.qkv_rows(h, rope, record, shape)
             slot = index[:, None, :, None].expand(-1, H, -1, hd)
             k_cache.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
             v_cache.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
-            h = PLAIN.attend_mlp(qk[:, :, :H].transpose(1, 2), h, k_cache, v_cache, valid, w["o"], None,
-                                  w["mlp_norm"], None, w["gate_up"], None, w["down"], None, 1e-5)
+            h = PLAIN.attend_mlp(qk[:, :, :H].transpose(1, 2), h, LayerCache(k_cache, v_cache, valid), record, shape)
         return h
 
     def caches():
@@ -85,45 +88,50 @@ def _layer_inputs(seed: int = 0):
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, generator=g) * scale
 
-    weights = [(rand(d).abs(), None, rand(3 * d, d, scale=0.1), None, rand(d, d, scale=0.1), None, rand(d).abs(), None,
-                rand(4 * d, d, scale=0.1), None, rand(d, 2 * d, scale=0.1), None) for _ in range(2)]
+    weights = [LayerWeights(rand(d).abs(), None, rand(3 * d, d, scale=0.1), None, rand(d, d, scale=0.1), None,
+                            rand(d).abs(), None, rand(4 * d, d, scale=0.1), None, rand(d, 2 * d, scale=0.1), None)
+               for _ in range(2)]
     valid = torch.ones(B, T + 1, dtype=torch.bool)
     valid[:, -1] = False
     buffers = [tuple(rand(*shape) for shape in ((B, H, T + 1, hd),) * 2 + ((B, X, d),) * 2) for _ in range(2)]
     rows = torch.tensor([[0, 3], [4, 1]])
-    return weights, buffers, rand(B, X, d), torch.arange(3, 3 + X).expand(B, X), rand(B, X, 1, hd), \
-        rand(B, X, 1, hd), valid, rows, H
+    return weights, buffers, rand(B, X, d), torch.arange(3, 3 + X).expand(B, X), RopeTable(rand(B, X, 2, hd)), \
+        valid, rows, H
 
 
-def _by_hand(weights, buffers, h, index, cos, sin, valid, rows, H):
+def _by_hand(weights, buffers, h, index, rope, valid, rows, H):
     """Layer 0 without a hook, then layer 1 with feature caching at ``rows``, written out with the plain pieces and
     in-place K/V writes (what the whole-layer passes must equal)."""
     from polestar.models.layer_regions import attend_mlp, cached_rows, qkv_rows
 
+    shape = LayerShape(H, H, 1e-5)
+    hd = rope.factors.shape[-1]
     w0, (k0, v0, _, _) = weights[0], buffers[0]
-    qk, qkv = qkv_rows(h, *w0[:4], cos, sin, 1e-5, H, H)
-    slot = index[:, None, :, None].expand(-1, H, -1, cos.shape[-1])
+    qk, qkv = qkv_rows(h, rope, w0, shape)
+    slot = index[:, None, :, None].expand(-1, H, -1, hd)
     k0.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
     v0.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
-    h = attend_mlp(qk[:, :, :H].transpose(1, 2), h, k0, v0, valid, *w0[4:], 1e-5)
+    h = attend_mlp(qk[:, :, :H].transpose(1, 2), h, LayerCache(k0, v0, valid), w0, shape)
     w1, (k1, v1, attn, mlp) = weights[1], buffers[1]
-    pick = rows[:, :, None, None].expand(-1, -1, 1, cos.shape[-1])
-    qk, qkv = qkv_rows(h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1])), *w1[:4], cos.gather(1, pick),
-                       sin.gather(1, pick), 1e-5, H, H)
-    slot = index.gather(1, rows)[:, None, :, None].expand(-1, H, -1, cos.shape[-1])
+    pick = rows[:, :, None, None].expand(-1, -1, 2, hd)
+    picked = h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1]))
+    qk, qkv = qkv_rows(picked, RopeTable(rope.factors.gather(1, pick)), w1, shape)
+    slot = index.gather(1, rows)[:, None, :, None].expand(-1, H, -1, hd)
     k1.scatter_(2, slot, qk[:, :, H:].transpose(1, 2))
     v1.scatter_(2, slot, qkv[:, :, 2 * H :].transpose(1, 2))
-    new_attn, new_mlp, out = cached_rows(h, rows, qk[:, :, :H].transpose(1, 2), k1, v1, valid, attn, mlp, *w1[4:],
-                                         1e-5)
+    (new_attn, new_mlp), out = cached_rows(h, rows, qk[:, :, :H].transpose(1, 2), LayerCache(k1, v1, valid),
+                                           CachedOutputs(attn, mlp), w1, shape)
     attn.copy_(new_attn)
     mlp.copy_(new_mlp)
     return out
 
 
-def _passes(regions, weights, buffers, h, index, cos, sin, valid, rows, H):
+def _passes(regions, weights, buffers, h, index, rope, valid, rows, H):
     (k0, v0, _, _), (k1, v1, attn, mlp) = buffers
-    h = regions.decoder_layer(h, index, cos, sin, valid, k0, v0, *weights[0], 1e-5, H, H)
-    return regions.feature_layer(h, rows, index, cos, sin, valid, k1, v1, attn, mlp, *weights[1], 1e-5, H, H)
+    shape = LayerShape(H, H, 1e-5)
+    h = regions.passes.decoder_layer(h, index, rope, LayerCache(k0, v0, valid), weights[0], shape)
+    return regions.passes.feature_layer(h, rows, index, rope, LayerCache(k1, v1, valid), CachedOutputs(attn, mlp),
+                                        weights[1], shape)
 
 
 @pytest.mark.parametrize("form", ["plain", pytest.param("pieces compiled on their own", marks=pytest.mark.slow)])
@@ -201,10 +209,11 @@ def test_a_norm_inside_a_compiled_region_is_bit_for_bit_the_eager_one():
     B, X, d, H, hd = 1, 40, 64, 4, 16
     rows, norm = torch.randn(B, X, d, generator=g), torch.rand(d, generator=g) + 0.5
     qkv = torch.randn(3 * d, d, generator=g) * 0.1
-    cos, sin = torch.rand(B, X, 1, hd, generator=g), torch.rand(B, X, 1, hd, generator=g)
+    rope = RopeTable(torch.rand(B, X, 2, hd, generator=g))
     compiled_norm = torch.compile(lambda x: rms_norm(x, norm, None, 1e-5), backend="inductor", fullgraph=True)
     assert torch.equal(compiled_norm(rows), rms_norm(rows, norm, None, 1e-5))
-    args = (rows, norm, None, qkv, None, cos, sin, 1e-5, H, H)
+    weights = LayerWeights(norm, None, qkv, None, *([None] * 8))
+    args = (rows, rope, weights, LayerShape(H, H, 1e-5))
     compiled = torch.compile(layer_regions.qkv_rows, backend="inductor", fullgraph=True, dynamic=False)(*args)
     for got, want in zip(compiled, layer_regions.qkv_rows(*args)):
         assert torch.equal(got, want)

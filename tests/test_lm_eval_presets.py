@@ -108,7 +108,7 @@ def test_explicit_options_win_over_the_preset(long_tiny):
 
 
 def test_presets_listed_and_unknown_refused():
-    assert set(PRESETS) == {"table1", "table1-512"}
+    assert set(PRESETS) == {"table1", "table1-512", "pc-sampler", "certainty-prior"}
     assert get_preset("table1-512").gen_length("gsm8k") == 512
     with pytest.raises(ValueError, match="unknown evaluation preset 'table2'.*table1"):
         expand_arguments(["--preset", "table2", "--tasks", "gsm8k"])

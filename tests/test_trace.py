@@ -114,9 +114,11 @@ def test_recomputed_positions_agree_with_the_records_and_the_counters(small_mode
             members = (set() if layer not in r.detail.refreshed
                        else _positions(*(t[0] for t in r.detail.refreshed[layer])))
             assert set(grid.refreshed[layer][r.step]) == members
-    # every row through a layer's MLP, counted by the engine, is a plan column or a sparse update's member
+    # every row through a layer's MLP, counted by the engine, is a plan column, a sparse update's member or a commit
+    # rule's own row
     drawn = sum(len(cols) for layer in grid.computed for cols in layer) + \
-        sum(len(cols) for layer in grid.refreshed for cols in layer)
+        sum(len(cols) for layer in grid.refreshed for cols in layer) + \
+        sum(len(cols) for layer in grid.verified for cols in layer)
     assert drawn == out.stats.sequences[0].token_layer_evals
     assert [c for c in fig.cost.layer_rows] == [r.cost.layer_rows for r in records]
     assert [c for c in fig.cost.proxy_rows] == [r.cost.probe_rows for r in records]

@@ -69,6 +69,28 @@ PRESETS: dict[str, EvalPreset] = {
         {name: TaskSetting(shots, 512) for name, shots in _TABLE1_SHOTS.items()},
         default_gen_length=512,
     ),
+    # PC-Sampler ("PC-Sampler: Position-Aware Calibration of Decoding Bias in Masked Diffusion Models"): its released
+    # LLaDA-8B-Instruct runs decode 256 tokens in one block, one token per step, lambda 0.25, alpha 10 (GSM8K 4-shot,
+    # HumanEval 0-shot); with ``policy=pc-sampler`` and the model's token-frequency table
+    "pc-sampler": EvalPreset(
+        "pc-sampler",
+        "PC-Sampler's runs: one block of 256, one token per step, position decay 0.25, clip 10; GSM8K 4-shot, "
+        "HumanEval 0-shot (policy pc-sampler)",
+        {"gsm8k": TaskSetting(4, 256), "humaneval": TaskSetting(0, 256)},
+        block_length=256,
+        options={"commit.debias?": True, "commit.position_decay?": 0.25, "commit.clip_alpha?": 10.0},
+    ),
+    # d2Cache's certainty prior ("d2Cache: Accelerating Diffusion-Based LLMs via Dual Adaptive Caching"): sigma 10 and
+    # no semi-autoregressive blocks (block = generation length, 256 for GSM8K and MATH in its settings), one token per
+    # step; few-shot counts as Table 1 (lm-eval's defaults)
+    "certainty-prior": EvalPreset(
+        "certainty-prior",
+        "d2Cache's certainty prior: one block of 256, one token per step, sigma 10; GSM8K 5-shot, MATH 4-shot "
+        "(policy certainty-prior)",
+        {"gsm8k": TaskSetting(5, 256), "minerva_math": TaskSetting(4, 256)},
+        block_length=256,
+        options={"commit.sigma?": 10.0},
+    ),
 }
 
 

@@ -67,7 +67,7 @@ def run_trace_cli(args, sets: dict[str, Any], decoding: dict[str, Any]) -> int:
                             f"use --policies {args.policy}")
     if decoding.pop("compile", False):
         raise cc.UsageError("trace reads every step back and runs it eagerly; drop --compile")
-    names = cc.split_policies(args.policies)
+    names = cc.split_policies(args.policies, entries=False)
     try:
         check_policies(names, sets)
     except (ValueError, TypeError) as err:

@@ -33,7 +33,8 @@ class CommitCell(NamedTuple):
 class CommitGrid(NamedTuple):
     """``cells``: one :class:`CommitCell` per committed position, by position; ``waiting``: ``(position, step)``
     of every position masked in the current block at a step that did not commit it; ``start``/``end``: the
-    generated columns ``[start, end)``; ``block_starts``: each block's first column; ``n_steps``: steps taken."""
+    generated columns ``[start, end)``; ``block_starts``: each block's first column; ``n_steps``: steps taken;
+    ``revoked``: ``(position, step)`` of every committed position a step masked again (a revoking commit rule)."""
 
     cells: tuple[CommitCell, ...]
     waiting: tuple[tuple[int, int], ...]
@@ -41,16 +42,19 @@ class CommitGrid(NamedTuple):
     end: int
     block_starts: tuple[int, ...]
     n_steps: int
+    revoked: tuple[tuple[int, int], ...] = ()
 
 
 class RefreshGrid(NamedTuple):
     """Per layer and step (``[layer][step]``): ``computed`` the columns the forward's plan recomputed,
     ``refreshed`` the columns a sparse update recomputed (empty where none ran); ``length``: the sequence's
-    columns; ``has_updates``: any sparse update ran."""
+    columns; ``has_updates``: any sparse update ran; ``verified``: the columns of the rows the commit rule's own
+    pass computed (WINO's shadow block; empty where none ran)."""
 
     computed: tuple[tuple[tuple[int, ...], ...], ...]
     refreshed: tuple[tuple[tuple[int, ...], ...], ...]
     length: int
+    verified: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     @property
     def has_updates(self) -> bool:
@@ -73,20 +77,22 @@ def commit_grid(steps: Sequence[StepTrace], start: int, end: int, block_length: 
     sequence after decoding."""
     cells = []
     waiting = []
+    revoked = [(p, s.step) for s in steps for p in getattr(s, "revoked", ()) if start <= p < end]
     for s in steps:
         done = {c.position for c in s.commits}
         waiting += [(p, s.step) for p in s.masked if p not in done]
         cells += [CommitCell(c.position, s.step, c.origin, c.confidence, final[c.position])
                   for c in s.commits if start <= c.position < end]
     return CommitGrid(tuple(sorted(cells)), tuple(waiting), start, end, tuple(range(start, end, block_length)),
-                      len(steps))
+                      len(steps), tuple(revoked))
 
 
 def refresh_grid(steps: Sequence[StepTrace], n_layers: int, length: int) -> RefreshGrid:
     """The :class:`RefreshGrid` of a generation with ``n_layers`` layers and ``length`` columns."""
     computed = tuple(tuple(s.computed[layer] for s in steps) for layer in range(n_layers))
     refreshed = tuple(tuple(s.refreshed.get(layer, ()) for s in steps) for layer in range(n_layers))
-    return RefreshGrid(computed, refreshed, length)
+    verified = tuple(tuple(getattr(s, "verified", {}).get(layer, ()) for s in steps) for layer in range(n_layers))
+    return RefreshGrid(computed, refreshed, length, verified)
 
 
 def cost_series(steps: Sequence[StepTrace]) -> CostSeries:

@@ -17,6 +17,9 @@ ORIGIN_COLORS = {"confident": "#2b8a3e", "forced": "#e8590c", "early": "#7048e8"
 ORIGIN_LABELS = {"confident": "confidence ≥ τ", "forced": "forced top-1 (< τ)", "early": "early (drift gate)",
                  "rule": "rule's pick", "suffix": "suffix block", "eos": "EOS fill"}
 WAITING_COLOR, COMPUTED_COLOR, REFRESHED_COLOR, DIFF_COLOR = "#e9ecef", "#a5d8ff", "#d9480f", "#e03131"
+#: outline of a committed position a step masked again (a revoking commit rule, WINO's narrow-out), and of the
+#: columns whose rows a commit rule's own pass computed (WINO's shadow block) in the recompute grid
+REVOKED_COLOR = "#c92a2a"
 POLICY_COLORS = ("#1c7ed6", "#f08c00")
 
 CELL, ROW, LEFT, TOP = 18, 16, 64, 30
@@ -100,6 +103,9 @@ def commit_svg(grid: CommitGrid, labels: tuple[str, ...], diff: int | None) -> s
         if c.confidence is not None:
             body.append(svg_text(x(c.position) + CELL / 2, y + 11, f"{min(int(c.confidence * 100), 99):02d}", 8,
                               fill="#ffffff"))
+    for pos, step in getattr(grid, "revoked", ()):
+        body.append(svg_rect(x(pos) + 1, TOP + step * ROW + 1, CELL - 3, ROW - 3, "none",
+                             f"position {pos} · step {step} · revoked: masked again", stroke=REVOKED_COLOR))
     base = TOP + grid.n_steps * ROW + 16
     body.append(svg_text(LEFT - 8, base, "final", 10, "end"))
     for pos in range(grid.start, grid.end):
@@ -136,6 +142,10 @@ def refresh_svg(grid: RefreshGrid, layer: int, prompt_len: int) -> str:
             body.append(svg_rect(LEFT + first * cell, y, n * cell, row - 1, REFRESHED_COLOR,
                               f"layer {layer} · step {step} · sparse update recomputed columns "
                               f"{first}-{first + n - 1}"))
+        for first, n in _runs(grid.verified[layer][step] if getattr(grid, "verified", ()) else ()):
+            body.append(svg_rect(LEFT + first * cell, y + 1, n * cell, row - 3, "none",
+                                 f"layer {layer} · step {step} · the commit rule's own rows (shadow block) at "
+                                 f"columns {first}-{first + n - 1}", stroke=REVOKED_COLOR))
     xp = LEFT + prompt_len * cell
     body.append(f'<line x1="{xp}" y1="4" x2="{xp}" y2="{height}" stroke="#495057" stroke-dasharray="3 2"/>')
     body.append(svg_text(xp - 3, 11, "prompt | generation", 9, "middle"))
@@ -184,15 +194,19 @@ def render_html(trace) -> str:
                      f"first position where the outputs differ: column {diff} (generated position "
                      f"{diff - trace.prompt_len}), outlined in red") + "</p>")
     parts.append("<h2>Commits: the step each position was committed</h2>")
+    revoking = [(REVOKED_COLOR, "revoked (outlined): masked again")] if any(
+        getattr(f.commit, "revoked", ()) for f in figs) else []
     parts.append(_legend([(ORIGIN_COLORS[o], ORIGIN_LABELS[o]) for o in ORIGINS] +
-                         [(WAITING_COLOR, "masked in the current block, not committed")]))
+                         [(WAITING_COLOR, "masked in the current block, not committed")] + revoking))
     parts.append('<p class="note">Opacity and the printed digits: confidence at commit (percent). Columns: '
                  "generated positions; rows: steps.</p>")
     for f in figs:
         parts += [f"<h3>{escape(f.policy)}</h3>", commit_svg(f.commit, f.labels, trace.first_difference)]
     parts.append("<h2>Recompute: positions each layer computed, per step</h2>")
+    shadow = [(REVOKED_COLOR, "commit rule's own rows (outlined: WINO's shadow block)")] if any(
+        cols for f in figs for layer in getattr(f.refresh, "verified", ()) for cols in layer) else []
     parts.append(_legend([(COMPUTED_COLOR, "the step's plan (block, or everything at a refresh)"),
-                          (REFRESHED_COLOR, "sparse update's members")]))
+                          (REFRESHED_COLOR, "sparse update's members")] + shadow))
     for f in figs:
         parts.append(f"<h3>{escape(f.policy)}</h3>")
         parts += [refresh_svg(f.refresh, layer, trace.prompt_len) for layer in range(trace.n_layers)]

@@ -19,6 +19,7 @@ from .html import (
     ORIGIN_LABELS,
     POLICY_COLORS,
     REFRESHED_COLOR,
+    REVOKED_COLOR,
     WAITING_COLOR,
 )
 from .record import ORIGINS
@@ -74,6 +75,8 @@ def commits_png(trace, path: Path) -> Path:
             if c.confidence is not None:
                 ax.text(c.position - 0.025, c.step, f"{min(int(c.confidence * 100), 99):02d}", ha="center",
                         va="center", fontsize=5.5, color="white")
+        for pos, step in getattr(grid, "revoked", ()):
+            ax.add_patch(Rectangle((pos - 0.45, step - 0.4), 0.85, 0.8, fill=False, ec=REVOKED_COLOR, lw=1.2))
         final = grid.n_steps + 0.6
         for pos in range(grid.start, grid.end):
             ax.text(pos, final, f.labels[pos][:2], ha="center", va="center", fontsize=7, family="DejaVu Sans Mono")
@@ -94,6 +97,8 @@ def commits_png(trace, path: Path) -> Path:
             ax.spines[side].set_visible(False)
     handles = [Patch(color=ORIGIN_COLORS[o], label=ORIGIN_LABELS[o]) for o in ORIGINS]
     handles.append(Patch(color=WAITING_COLOR, label="masked, not committed"))
+    if any(getattr(f.commit, "revoked", ()) for f in figs):
+        handles.append(Patch(fill=False, ec=REVOKED_COLOR, label="revoked: masked again"))
     if trace.first_difference is not None:
         handles.append(Patch(fill=False, ec=DIFF_COLOR, label="first difference"))
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=7, frameon=False)

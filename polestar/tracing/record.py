@@ -12,6 +12,9 @@ Commit origins, in the order a committed position is classified (see :data:`ORIG
 * ``rule`` — any other rule commit (a rule without a threshold: LLaDA's fixed count, EB-sampler, KLASS; or below τ
   and not the top-1);
 * ``eos`` — filled with EOS after the sequence committed a stop token.
+
+A commit rule that revokes (WINO's narrow-out) puts the mask token back on committed positions: a step's
+``revoked`` columns; such a position is committed again at a later step (a second :class:`Commit`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class StepTrace(NamedTuple):
     ``computed``: per layer, the columns the layer recomputed (the plan's, or the plan rows a feature-caching
     hook restricted the layer to); ``refreshed``: layer → columns a sparse update recomputed (members);
     ``weight_bytes``, ``kv_bytes``, ``layer_rows``, ``proxy_rows``: the step's cost counters; ``stages``: each stage
-    figure's values of this step, by the figure's key (:meth:`~polestar.tracing.stage_figure.StageFigure.read`)."""
+    figure's values of this step, by the figure's key (:meth:`~polestar.tracing.stage_figure.StageFigure.read`);
+    ``revoked``: the committed columns the step masked again (a revoking commit rule), by position; ``verified``:
+    layer → the columns whose rows the commit rule's own pass computed there (WINO's shadow block)."""
 
     step: int
     block: int
@@ -65,6 +70,8 @@ class StepTrace(NamedTuple):
     layer_rows: int
     proxy_rows: int
     stages: dict[str, Any]
+    revoked: tuple[int, ...] = ()
+    verified: dict[int, tuple[int, ...]] = {}
 
 
 def _positions(index: torch.Tensor, valid: torch.Tensor) -> tuple[int, ...]:
@@ -140,17 +147,21 @@ def step_trace(record: StepRecord, threshold: float | None, n_layers: int, row: 
     else:
         computed = (_positions(plan.index[row], plan.valid[row]),) * n_layers
     detail = record.detail
-    refreshed, stages = {}, {}
+    refreshed, stages, verified = {}, {}, {}
     if detail is not None:
         computed = tuple(_positions(detail.computed[layer][0][row], detail.computed[layer][1][row])
                          if layer in detail.computed else cols for layer, cols in enumerate(computed))
         refreshed = {layer: _positions(pos[row], valid[row])
                      for layer, (pos, valid) in sorted(detail.refreshed.items())}
         stages = {figure.key: figure.read(detail.stages, row) for figure in figures}
+        verified = {layer: tuple(sorted(pos[row][valid[row]].tolist()))
+                    for layer, (pos, valid) in sorted(getattr(detail, "verified", {}).items())}
     cols = region_columns(record, row)
     masked = tuple(cols[j] for j in record.masked[row].nonzero().flatten().tolist())
     cost = record.cost
+    revoked = getattr(record.origins, "revoked", None)
+    revoked = () if revoked is None else tuple(sorted(cols[j] for j in revoked[row].nonzero().flatten().tolist()))
     return StepTrace(record.step, record.block_index, record.block_step, record.block_start, record.block_end,
                      bool(record.active[row]), masked, commits, computed, refreshed,
                      cost.weight_bytes if cost else 0, cost.kv_bytes if cost else 0, cost.layer_rows if cost else 0,
-                     cost.probe_rows if cost else 0, stages)
+                     cost.probe_rows if cost else 0, stages, revoked, verified)
