@@ -108,7 +108,7 @@ def test_explicit_options_win_over_the_preset(long_tiny):
 
 
 def test_presets_listed_and_unknown_refused():
-    assert set(PRESETS) == {"table1", "table1-512", "pc-sampler", "certainty-prior"}
+    assert set(PRESETS) == {"table1", "table1-512", "pc-sampler", "certainty-prior", "d2cache"}
     assert get_preset("table1-512").gen_length("gsm8k") == 512
     with pytest.raises(ValueError, match="unknown evaluation preset 'table2'.*table1"):
         expand_arguments(["--preset", "table2", "--tasks", "gsm8k"])
@@ -125,3 +125,14 @@ def test_hyphenated_options_are_accepted(long_tiny):
                              "--tasks", "gsm8k", "--output-path=out", "--gen_kwargs", "temperature=0"])
     args = _parse(argv)
     assert args.model_args["preset"] == "table1" and args.output_path == "out" and args.num_fewshot == 5
+
+
+@pytest.mark.parametrize("name", ["pc-sampler", "certainty-prior", "d2cache"])
+def test_a_method_preset_assembles_its_policy_with_every_option_applied(name):
+    """A method's preset names options of that method's policy only: each applies (none is dropped as optional)."""
+    import polestar
+
+    preset = get_preset(name)
+    required = {key.rstrip("?"): value for key, value in preset.options.items()}
+    pipeline = polestar.assemble(name, required)
+    assert pipeline.policy == name and preset.block_length == 256

@@ -91,6 +91,16 @@ PRESETS: dict[str, EvalPreset] = {
         block_length=256,
         options={"commit.sigma?": 10.0},
     ),
+    # d2Cache itself (same paper, same evaluation settings): rollout nucleus 0.1, 32 current-block rows, sigma 10,
+    # no inflation, as its released configuration
+    "d2cache": EvalPreset(
+        "d2cache",
+        "d2Cache's runs: one block of 256, one token per step, rollout_p 0.1, current_k 32, sigma 10; GSM8K 5-shot, "
+        "MATH 4-shot (policy d2cache)",
+        {"gsm8k": TaskSetting(5, 256), "minerva_math": TaskSetting(4, 256)},
+        block_length=256,
+        options={"refresh.rollout_p?": 0.1, "refresh.current_k?": 32, "refresh.sigma?": 10.0, "refresh.inflate_w?": 0},
+    ),
 }
 
 
