@@ -137,6 +137,16 @@ def test_stage_overrides_reach_the_pipeline():
         PolestarLM.create_from_arg_string("pretrained=tiny-llada,policy=fast-dllm,set.factor=2.0")
 
 
+@pytest.mark.parametrize("policy", polestar.policy_names())
+def test_every_policy_generates_through_lm_eval_as_generate_does(policy):
+    """Each registered policy answers an lm-eval request with the tokens `polestar.generate` gives the same prompt."""
+    prompt = get_task("arith").format_prompt("7*3-2+8")
+    lm = PolestarLM(pretrained="tiny-llada", policy=policy, gen_length=32, block_length=16, device="cpu")
+    got = lm.generate_until([_gen(prompt, until=[])])[0]
+    ref = polestar.generate(lm.model, [prompt], policy=policy, gen_length=32, block_length=16)
+    assert got == ref.texts[0]
+
+
 def test_bad_arguments_fail_before_loading():
     with pytest.raises(ValueError, match="pretrained is required"):
         PolestarLM(policy="parallel")
