@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import attrs
 import torch
 from attrs import validators as v
@@ -122,9 +125,16 @@ def _factor_count_paper(ordered: torch.Tensor, inside: torch.Tensor, n_masked: t
     return passes.long().cumprod(dim=1).sum(dim=1)
 
 
-#: The factor rule's variants (:class:`FactorCommit`): how many of a step's sorted confidences it commits, and how
-#: many of them may fall below the rule's floor.
-_FACTOR_RULES = {"code": (_factor_count_code, 2), "paper": (_factor_count_paper, 1)}
+class FactorVariant(NamedTuple):
+    """One variant of the factor rule (:class:`FactorCommit`): ``count(ordered, inside, n_masked, factor)`` → how
+    many of a step's sorted confidences it commits ``[B]``; ``exempt``: how many of those may fall below the rule's
+    floor."""
+
+    count: Callable[..., torch.Tensor]
+    exempt: int
+
+
+_FACTOR_RULES = {"code": FactorVariant(_factor_count_code, 2), "paper": FactorVariant(_factor_count_paper, 1)}
 
 
 @register("commit", "factor")
@@ -151,10 +161,10 @@ class FactorCommit(CommitRule):
         n_masked = masked.sum(dim=1)
         ordered = conf.sort(dim=1, descending=True).values
         inside = torch.arange(conf.shape[1], device=conf.device)[None, :] < n_masked[:, None]
-        count = _FACTOR_RULES[self.config.rule][0](ordered, inside, n_masked, self.config.factor)
+        count = _FACTOR_RULES[self.config.rule].count(ordered, inside, n_masked, self.config.factor)
         return CommitSelection(masked & (rank_descending(conf) < count[:, None]))
 
     def floor(self) -> CommitFloor:
         """Ranks 2 and later of a step need ``c ≥ 1 - factor / 3`` or more; exempt are the first and, under the
         ``code`` rule, its extra last token."""
-        return CommitFloor(max(0.0, 1.0 - self.config.factor / 3.0), _FACTOR_RULES[self.config.rule][1])
+        return CommitFloor(max(0.0, 1.0 - self.config.factor / 3.0), _FACTOR_RULES[self.config.rule].exempt)
