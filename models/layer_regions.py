@@ -56,8 +56,9 @@ class LayerShape(NamedTuple):
 
 
 class LayerCache(NamedTuple):
-    """One layer's cached ``keys, values [B, Hkv, T + 1, hd]`` (written in place by the passes) and ``key_valid
-    [B, T + 1]`` bool."""
+    """One layer's cached ``keys, values [B, Hkv, K, hd]`` (``K = T + 1``; written in place by the passes) and
+    ``key_valid``: bool ``[B, K]`` (the same keys for every query row) or ``[B, Q, K]`` (per query row: WINO's
+    leave-one-out shadow block)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -92,8 +93,9 @@ def _attend(q, cache: LayerCache):
     # a branch, not an argument: where the head counts became symbolic, a compiled region guards on it (sdpa takes no
     # symbolic bool)
     gqa = True if keys.shape[1] != q.shape[1] else False  # noqa: SIM210
-    att = F.scaled_dot_product_attention(q, keys, cache.values, attn_mask=cache.key_valid[:, None, None, :],
-                                         enable_gqa=gqa)
+    valid = cache.key_valid
+    mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, None]  # a shape, not a value: no guard churn
+    att = F.scaled_dot_product_attention(q, keys, cache.values, attn_mask=mask, enable_gqa=gqa)
     return att.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 

@@ -32,6 +32,21 @@ def _random(pred: Prediction, state: DecodeState) -> torch.Tensor:
 _REMASKING = {"low_confidence": _low_confidence, "random": _random}
 
 
+def scheduled_count(state: DecodeState) -> torch.Tensor:
+    """``[B, 1]`` long: how many tokens LLaDA's schedule commits at this step of the block (``state.num_transfer``
+    gathered at the device step: no Python int enters the step)."""
+    steps = state.num_transfer.shape[1]
+    column = state.clock.step.clamp(max=steps - 1).expand(state.batch_size, 1)
+    return state.num_transfer.gather(1, column)
+
+
+def softmax_confidence(pred: Prediction) -> torch.Tensor:
+    """``[B, R]``: the proposed token's probability under the softmax of the raw logits over the whole vocabulary,
+    mask token included, in the logits' precision and at least fp32 (how LLaDA-family released loops rank them)."""
+    logits = pred.logits.to(torch.promote_types(pred.logits.dtype, torch.float32))
+    return torch.softmax(logits, dim=-1).gather(-1, pred.tokens[..., None]).squeeze(-1)
+
+
 @register("commit", "topk")
 class TopKCommit(CommitRule):
     """LLaDA's fixed-count rule: step ``i`` of a block commits ``num_transfer[i]`` tokens, LLaDA's even split of the
@@ -61,13 +76,9 @@ class TopKCommit(CommitRule):
     def select(self, pred: Prediction, masked: torch.Tensor, state: DecodeState, local=None) -> CommitSelection:
         scores = _REMASKING[self.config.remasking](pred, state)
         if self.config.mask_in_softmax:
-            logits = pred.logits.to(torch.promote_types(pred.logits.dtype, torch.float32))
-            scores = torch.softmax(logits, dim=-1).gather(-1, pred.tokens[..., None]).squeeze(-1)
+            scores = softmax_confidence(pred)
         scores = scores.masked_fill(~masked, float("-inf"))
-        steps = state.num_transfer.shape[1]
-        column = state.clock.step.clamp(max=steps - 1).expand(state.batch_size, 1)
-        k = state.num_transfer.gather(1, column)  # a gather at the device step: no Python int enters the step
-        return CommitSelection(rank_descending(scores) < k)
+        return CommitSelection(rank_descending(scores) < scheduled_count(state))
 
     def floor(self) -> CommitFloor:
         return CommitFloor(0.0, 0)

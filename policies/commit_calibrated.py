@@ -33,7 +33,13 @@ from polestar.state import CommitSelection, DecodeState, Prediction
 from polestar.tasks.base import EOS_MARKERS
 
 from .certainty import DensityKernel, certainty_density, density_kernel
-from .commit_basic import _threshold_validator, rank_descending, threshold_transfer
+from .commit_basic import (
+    _threshold_validator,
+    rank_descending,
+    scheduled_count,
+    softmax_confidence,
+    threshold_transfer,
+)
 
 #: the file name a checkpoint directory carries its token-frequency table under
 TABLE_FILE = "token_frequency.json"
@@ -49,10 +55,7 @@ def select_scored(scores: torch.Tensor, masked: torch.Tensor, state: DecodeState
     scored first (ties: leftmost); else every masked position scored ≥ ``threshold`` and each row's best."""
     if threshold is not None:
         return threshold_transfer(scores, masked, threshold)
-    steps = state.num_transfer.shape[1]
-    column = state.clock.step.clamp(max=steps - 1).expand(state.batch_size, 1)
-    k = state.num_transfer.gather(1, column)
-    return masked & (rank_descending(scores) < k)
+    return masked & (rank_descending(scores) < scheduled_count(state))
 
 
 def ranked_confidence(pred: Prediction, mask_in_softmax: bool) -> torch.Tensor:
@@ -62,8 +65,7 @@ def ranked_confidence(pred: Prediction, mask_in_softmax: bool) -> torch.Tensor:
     ``sample_tokens`` scores them, as :class:`~polestar.policies.commit_basic.TopKCommit` does for dLLM-Cache)."""
     if not mask_in_softmax:
         return pred.confidence
-    logits = pred.logits.to(torch.promote_types(pred.logits.dtype, torch.float32))
-    return torch.softmax(logits, dim=-1).gather(-1, pred.tokens[..., None]).squeeze(-1).to(torch.float64)
+    return softmax_confidence(pred).to(torch.float64)
 
 
 def _finite_positive(_inst, attribute, value):

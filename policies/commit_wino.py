@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 from attrs import validators as v
 
 from polestar.models import layer_regions
 from polestar.models.cost import CostMeter, StepCost
-from polestar.models.layers import rms_norm
+from polestar.models.layer_regions import LayerCache
 from polestar.models.plan import DecodeCache
 from polestar.registry import register
 from polestar.stages import Capability, CommitFloor, CommitRule
@@ -52,19 +51,14 @@ def shadow_logits(model, cache: DecodeCache, x: torch.Tensor, columns: torch.Ten
     rope = model.rope_of(cache, cache.positions.gather(1, rows_at))
     keys_at = torch.arange(cache.key_valid.shape[1], device=columns.device)
     seen = cache.key_valid[:, None, :] & (keys_at[None, None, :] != columns[:, :, None])  # [B, bl, T + 1]
-    mask = torch.cat([seen, seen.new_ones(B, bl, bl)], dim=2)[:, None]
-    regions = layer_regions.active()
-    for layer in range(spec.n_layers):
+    mask = torch.cat([seen, seen.new_ones(B, bl, bl)], dim=2)  # [B, bl, T + 1 + bl]: a mask per shadow row
+    regions, shape = layer_regions.active(), model.layer_shape
+    for layer in range(spec.n_layers):  # the layer regions the forward runs, over the cache joined with the shadow
         w = model.layer_weights(layer)
-        qk, proj = regions.qkv_rows(h, rope, w, model.layer_shape)
+        qk, proj = regions.qkv_rows(h, rope, w, shape)
         keys = torch.cat([cache.k[layer], qk[:, :, H:].transpose(1, 2)], dim=2)
         values = torch.cat([cache.v[layer], proj[:, :, H + Hkv :].transpose(1, 2)], dim=2)
-        att = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=H != Hkv)
-        hid = h + F.linear(att.transpose(1, 2).reshape(B, bl, -1), w.o, w.o_bias)
-        gate, up = F.linear(rms_norm(hid, w.mlp_norm, w.mlp_norm_bias, spec.norm_eps), w.gate_up,
-                            w.gate_up_bias).chunk(2, dim=-1)
-        h = hid + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        h = regions.attend_mlp(qk[:, :, :H].transpose(1, 2), h, LayerCache(keys, values, mask), w, shape)
         counted = model.layer_bytes(layer)
         meter.add(counted.qkv_pass + counted.out_mlp_pass, 2 * cache.layer_kv_bytes, B * bl)
     meter.weight(model.final_norm_weight())
