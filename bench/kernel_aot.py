@@ -265,7 +265,8 @@ RUN_DEFAULTS: dict[str, tuple[tuple[str, Any], ...]] = {
 
 def model_for(name: str) -> torch.nn.Module:
     """The bf16 model a :class:`StepRun` decodes with. Tiny models: :func:`polestar.testing.tiny_model`. Published
-    ones: the published ``config.json``'s geometry (``d_model``, heads, K/V heads, head dim, RoPE) with 2 layers, a
+    ones: the published ``config.json``'s geometry (``d_model``, heads, K/V heads, head dim, RoPE) with 3 layers (the
+    middle one takes a sparse update's every operation: the packet written, the members gathered), a
     64-token vocabulary and a 64-wide MLP (neither reaches a Triton kernel), zero weights (they are never read:
     :func:`cheap_matmuls`)."""
     from polestar import testing
@@ -277,7 +278,7 @@ def model_for(name: str) -> torch.nn.Module:
     if checkpoint is None:
         return testing.tiny_model(family).to(torch.bfloat16)
     spec_fn, cls, _ = FAMILIES[family]
-    spec = attrs.evolve(spec_fn(published(checkpoint).config), n_layers=2, mlp_hidden=64, vocab_size=64,
+    spec = attrs.evolve(spec_fn(published(checkpoint).config), n_layers=3, mlp_hidden=64, vocab_size=64,
                         embedding_size=64, mask_id=63, eos_id=62, pad_id=62)
     model = build_on_meta(cls, spec).to(dtype=torch.bfloat16).to_empty(device="cpu")
     with torch.no_grad():
@@ -332,12 +333,20 @@ def step_launches(run: StepRun, model: torch.nn.Module | None = None) -> list[La
     return launches
 
 
+#: key columns of the drift calls below: a prompt of 1,024, 64 generated tokens and the trash slot
+DRIFT_COLUMNS = 1089
+
 #: wrappers no built-in stage calls, with the arguments a step would give them: ``spec`` (the model's
 #: :class:`~polestar.models.spec.ModelSpec`, the published vocabulary for a published geometry), batch, block
 #: length → positional arguments. Every other wrapper must be reached by the recorded decodes.
 EXTRA_CALLS: dict[str, Callable[[Any, int, int], tuple]] = {
     # a commit rule scoring the entropy of one block of logits over the vocabulary
     "entropy_triton": lambda spec, batch, block: (torch.zeros(batch, block, spec.vocab_size, dtype=torch.bfloat16),),
+    # a commit rule scoring the drift of the block's attention rows (the refresh selector's drift is drift_keep):
+    # 1,089 key columns, the drift kernels' widest block
+    **{f"{name}_drift_triton": lambda spec, batch, block: (
+        *(torch.full((batch, spec.n_heads, block, DRIFT_COLUMNS), 1 / DRIFT_COLUMNS) for _ in range(2)),)
+       for name in ("kl", "js", "cosine")},
 }
 
 

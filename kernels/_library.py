@@ -70,7 +70,8 @@ def register_op(name: str, fake: Callable[..., Any]) -> Callable[[F], F]:
 FUSED_NAMESPACE = "polestar_fused"
 
 
-def fused_op(name: str, fake: Callable[..., Any], cuda: Callable[..., Any] | None = None) -> Callable[[F], Any]:
+def fused_op(name: str, fake: Callable[..., Any], cuda: Callable[..., Any] | None = None,
+             mutates_args: tuple[str, ...] = ()) -> Callable[[F], Any]:
     """Decorator: register the torch reference ``fn`` as ``torch.ops.polestar_fused.<name>``, one opaque operation
     on every device, and return that op.
 
@@ -78,7 +79,9 @@ def fused_op(name: str, fake: Callable[..., Any], cuda: Callable[..., Any] | Non
     Triton kernel's launch, one kernel), elsewhere the reference ``fn``. So the step is one graph node per fused
     operation wherever it runs (``torch.compile`` traces the op, not the reference's body) and an operation count
     taken on a CPU is the count of launches a GPU sees. ``fn`` and ``fake`` as for :func:`register_op`; registered
-    with or without Triton (then the reference runs on CUDA too), once per process."""
+    with or without Triton (then the reference runs on CUDA too), once per process. ``mutates_args``: the names of
+    the arguments ``fn`` writes in place (an op that writes a buffer returns None or fresh tensors only; a compiler
+    sees the write and keeps its order)."""
 
     def deco(fn: F) -> Any:
         namespace = getattr(torch.ops, FUSED_NAMESPACE)
@@ -86,7 +89,7 @@ def fused_op(name: str, fake: Callable[..., Any], cuda: Callable[..., Any] | Non
             return getattr(namespace, name)
         except (AttributeError, RuntimeError):
             pass
-        op = torch.library.custom_op(f"{FUSED_NAMESPACE}::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"{FUSED_NAMESPACE}::{name}", fn, mutates_args=mutates_args)
         op.register_fake(fake)
         if cuda is not None and HAS_TRITON:
             op.register_kernel("cuda", cuda)

@@ -403,15 +403,19 @@ class DiffusionLM(nn.Module):
         if extra is not None:
             parts = (extra,) if isinstance(extra, ExtraRows) else extra
             rows = torch.cat([h, *(p.inputs.to(h.dtype) for p in parts)], dim=1)
-            rope = RopeTable.join([rope, *(p.rope if p.rope is not None else self.rope_of(cache, p.positions)
-                                           for p in parts)])
             kv_index = torch.cat([index, *(p.kv_index for p in parts)], dim=1)
+            if all(p.by_slot for p in parts):  # every row rotates by its slot: one lookup for all of them
+                rope = self.slot_rope(cache, kv_index)
+            else:
+                rope = RopeTable.join([rope, *(self._extra_rope(cache, p) for p in parts)])
         X = rows.shape[1]
         q, k, v = self.project_qkv(layer, rows, rope, meter)
         self.write_kv(cache, layer, kv_index, k, v)
         members = hook.members(layer, LayerQKV(h, index, q, v, meter)) if hook is not None else None
         q_att, resid = q[:, :, :C], h
-        if members is not None:
+        if members is not None and members.joined:  # the hook gathered the attention rows, the plan's first
+            q_att, resid = members.q, members.inputs
+        elif members is not None:
             q_att = torch.cat([q_att, members.q.to(q.dtype)], dim=2)
             resid = torch.cat([h, members.inputs.to(h.dtype)], dim=1)
         M = resid.shape[1] - C
@@ -430,6 +434,14 @@ class DiffusionLM(nn.Module):
             hook.after_layer(layer, out[:, C:])
             out = out[:, :C]
         return out, probs
+
+    def _extra_rope(self, cache: DecodeCache, extra: ExtraRows) -> RopeTable:
+        """The rotary factors of a hook's extra rows: given, looked up from their positions, or by their slots."""
+        if extra.rope is not None:
+            return extra.rope
+        if extra.positions is not None:
+            return self.rope_of(cache, extra.positions)
+        return self.slot_rope(cache, extra.kv_index)
 
     def _plain_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, meter: CostMeter) -> torch.Tensor:
         """:meth:`layer_step` without a hook or a probe: the whole layer as one region

@@ -20,18 +20,25 @@ from .layers import RopeTable
 class ExtraRows(NamedTuple):
     """Rows a layer hook adds to one layer's input projections (q, k, v), after the plan's rows.
 
-    ``inputs``: ``[B, R, d_model]`` layer inputs; ``positions``: ``[B, R]`` RoPE positions (None when ``rope`` is
-    given); ``kv_index``: ``[B, R]`` cache slots their K/V are written to (the trash slot for rows that only need a
-    query: proxy queries, probes); ``rope``: their rotary factors (a :class:`~polestar.models.layers.RopeTable`
-    ``[B, R, 2, hd]``) when the hook has them at hand, else None (looked up from ``positions``). They go through the
-    q, k and v projections in the same matmuls as the plan's rows. A hook may return several (a tuple), joined in
-    one concatenation per field.
+    ``inputs``: ``[B, R, d_model]`` layer inputs; ``positions``: ``[B, R]`` RoPE positions, or None; ``kv_index``:
+    ``[B, R]`` cache slots their K/V are written to (the trash slot for rows that only need a query: proxy queries,
+    probes); ``rope``: their rotary factors (a :class:`~polestar.models.layers.RopeTable` ``[B, R, 2, hd]``) when the
+    hook has them at hand, else None. The rows rotate by ``rope`` if given, else by ``positions`` if given, else by
+    the positions of their slots (:attr:`by_slot`; the trash slot stands at position 0, where the rotation is the
+    identity): when every extra row of a layer rotates by its slot, the layer looks up the factors of all its rows,
+    the plan's included, in one gather. They go through the q, k and v projections in the same matmuls as the plan's
+    rows. A hook may return several (a tuple), joined in one concatenation per field.
     """
 
     inputs: torch.Tensor
     positions: torch.Tensor | None
     kv_index: torch.Tensor
     rope: RopeTable | None = None
+
+    @property
+    def by_slot(self) -> bool:
+        """Whether these rows rotate by the positions of their cache slots (neither ``rope`` nor ``positions``)."""
+        return self.rope is None and self.positions is None
 
 
 class LayerQKV(NamedTuple):
@@ -57,11 +64,14 @@ class MemberRows(NamedTuple):
     """Rows a layer hook adds to the layer's attention, output projection and MLP, after the plan's rows.
 
     ``q``: ``[B, H, M, hd]`` their queries (after RoPE); ``inputs``: ``[B, M, d_model]`` their layer inputs (the
-    residual stream). The layer's outputs for them (``[B, M, d_model]``) go to the hook's ``after_layer``.
+    residual stream). The layer's outputs for them (``[B, M, d_model]``) go to the hook's ``after_layer``. With
+    ``joined``, ``q`` and ``inputs`` are the whole attention rows, the plan's first (``[B, H, C + M, hd]``,
+    ``[B, C + M, d_model]``, gathered by the hook in one operation), and the layer uses them as they are.
     """
 
     q: torch.Tensor
     inputs: torch.Tensor
+    joined: bool = False
 
 
 class CachedFeatures(NamedTuple):

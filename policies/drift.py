@@ -12,6 +12,7 @@ import torch
 
 from polestar.contracts import expect_tensor, fail
 from polestar.kernels.drift import DEFAULT_EPS, cosine_drift, entropy, js_drift, kl_drift
+from polestar.kernels.drift_keep import METRICS, drift_keep
 from polestar.registry import register
 from polestar.stage_kinds import StageKind, register_kind
 from polestar.stages import Stage
@@ -30,6 +31,15 @@ class DriftMetric(Stage):
         like the entropy ablation, is 0 on one-hot rows). A pure function of its inputs: no random draws, no host
         reads."""
         raise NotImplementedError
+
+    def score_keep(self, cur: torch.Tensor, prev: torch.Tensor, due: torch.Tensor) -> torch.Tensor:
+        """:meth:`score` of ``cur`` against ``prev``, then ``prev`` rewritten in place with ``cur`` in the rows due
+        (``due [B]`` bool): what a sparse-update step does with each layer's proxy attention. Equal to ``score``
+        followed by ``torch.where(due, cur, prev, out=prev)`` (checked by the laws); a metric may do both in one
+        operation (the built-in divergences do)."""
+        drift = self.score(cur, prev)
+        torch.where(due[:, None, None, None], cur, prev, out=prev)
+        return drift
 
 
 def check_drift(stage, out, cur: torch.Tensor, prev: torch.Tensor) -> None:
@@ -66,6 +76,12 @@ def drift_laws(metric: DriftMetric, cur: torch.Tensor, prev: torch.Tensor) -> No
     zero = metric.score(probe, probe)
     assert torch.allclose(zero, torch.zeros_like(zero), atol=1e-5), (
         f"drift stage {metric.name!r} is not 0 on equal inputs (max {zero.abs().max().item():.3g})")
+    due = torch.arange(cur.shape[0]) % 2 == 0
+    kept = prev.clone()
+    assert torch.equal(metric.score_keep(cur, kept, due), score), (
+        f"drift stage {metric.name!r}: score_keep scored otherwise than score")
+    assert torch.equal(kept, torch.where(due[:, None, None, None], cur, prev)), (
+        f"drift stage {metric.name!r}: score_keep must rewrite prev with cur in the rows due, and only there")
 
 
 DRIFT = register_kind(StageKind(
@@ -81,12 +97,18 @@ class EpsConfig:
 
 
 class _PairwiseDrift(DriftMetric):
-    """A row-wise divergence from :mod:`polestar.kernels.drift`, averaged over heads."""
+    """A row-wise divergence from :mod:`polestar.kernels.drift`, averaged over heads; :meth:`score_keep` is one
+    operation (:func:`~polestar.kernels.drift_keep.drift_keep`: the divergence, its head mean and the rows' keep)."""
 
     Config = EpsConfig
+    #: the divergence's id in :data:`polestar.kernels.drift_keep.METRICS`
+    metric: str
 
     def score(self, cur, prev):
         return type(self).divergence(cur, prev, self.config.eps).mean(dim=1)
+
+    def score_keep(self, cur, prev, due):
+        return drift_keep(cur, prev, due, METRICS[self.metric], self.config.eps)
 
 
 @register("drift", "kl")
@@ -94,6 +116,7 @@ class KLDrift(_PairwiseDrift):
     """KL(cur ‖ prev) per head, averaged over heads (Polestar's drift). ``[B, H, R, T]`` ×2 → ``[B, R]``."""
 
     divergence = staticmethod(kl_drift)
+    metric = "kl"
 
 
 @register("drift", "js")
@@ -101,6 +124,7 @@ class JSDrift(_PairwiseDrift):
     """Jensen–Shannon divergence per head, averaged over heads. ``[B, H, R, T]`` ×2 → ``[B, R]``."""
 
     divergence = staticmethod(js_drift)
+    metric = "js"
 
 
 @register("drift", "cosine")
@@ -108,6 +132,7 @@ class CosineDrift(_PairwiseDrift):
     """1 − cosine similarity of attention rows per head, averaged over heads. ``[B, H, R, T]`` ×2 → ``[B, R]``."""
 
     divergence = staticmethod(cosine_drift)
+    metric = "cosine"
 
 
 @register("drift", "uncertainty")

@@ -44,6 +44,10 @@ class Offloader(Stage):
     """Where stored rows live (see the module docstring for both interfaces and every shape)."""
 
     compilable: bool = True
+    #: the stored leaves are tensors on the compute device, ``alloc`` returns them as a tuple and rows are read and
+    #: written with :func:`gather_rows` / :func:`scatter_rows_` (checked by the laws), so fused row operations may
+    #: read and write them directly
+    resident: bool = False
 
     def alloc(self, like: tuple[torch.Tensor, ...]):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -91,6 +95,14 @@ def offload_laws(stage: Offloader, leaves, rows: torch.Tensor, values) -> None:
         kept = stage.read_rows(stored, keep, leaves[0].device)
         assert all(torch.equal(a, gather_rows(b, keep)) for a, b in zip(kept, leaves)), (
             f"offload stage {stage.name!r} changed rows it was not asked to write")
+    if stage.resident:  # the stored leaves are the tensors themselves, holding what was written
+        assert isinstance(stored, tuple) and all(isinstance(t, torch.Tensor) for t in stored), (
+            f"offload stage {stage.name!r} is declared resident but alloc did not return a tuple of tensors")
+        expect = tuple(t.clone() for t in leaves)
+        for e, v in zip(expect, values):
+            scatter_rows_(e, rows, v)
+        assert all(torch.equal(a, b) for a, b in zip(stored, expect)), (
+            f"offload stage {stage.name!r} is declared resident but its stored tensors do not hold the rows written")
 
 
 OFFLOAD = register_kind(StageKind(
@@ -104,6 +116,7 @@ class NoOffload(Offloader):
     scattered in place. Capturable in a CUDA graph."""
 
     compilable = True
+    resident = True
 
     @attrs.frozen
     class Config:

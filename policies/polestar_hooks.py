@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from polestar.kernels.member_choice import centroid_shift, cluster_members, cluster_ranks, top_ranked
+from polestar.kernels.member_rows import member_rows, packet_write
 from polestar.models.hooks import ExtraRows, LayerQKV
 from polestar.models.layer_ops import LayerOps
 from polestar.models.layers import RopeTable
@@ -118,6 +119,7 @@ class PolestarBuildHook(LayerHook):
         self.sel, self.state, self.cache, self.ops, self.local = sel, state, cache, ops, local
         self.buffers: WindowBuffers = local.current
         self.window = window = sel.window(state, cache)
+        sel.keep_window(window, self.buffers, cache)
         B = state.batch_size
         self.slots = (window.positions - plan_start)[None, :].expand(B, -1)
         spec = ops.spec
@@ -247,16 +249,20 @@ class PolestarMembers(MemberStrategy):
     def __init__(self, sel: PolestarSelection, state, cache, ops: LayerOps, local: PolestarRefreshState):
         self.sel, self.cache, self.ops, self.local, self.due = sel, cache, ops, local, local.due
         self.buffers = buf = local.current
-        self.window = window = sel.window(state, cache)
+        self.window = window = sel.kept_window(state, buf)
         self.store = buf.store
+        #: both stores hold their rows as plain tensors: the packet write and the member rows are one operation each
+        self.plain = buf.store.plain and buf.qstore.plain
         self.trash = window.size
-        self.row_slot = torch.cat([window.positions, window.positions.new_full((1,), cache.trash)])
+        self.row_slot = buf.row_slot
         self.capacity = buf.capacity
         self.proxy_slots = torch.full_like(buf.centroid_pos[0], cache.trash)  # centroids only query: the trash slot
-        # every layer's centroid rotary factors in one lookup per step: [B, L * K, 2, hd], layer l's K rows a view
         L, B, K = buf.stacks.centroid_pos.shape
         self.n_centroids = K
-        self.centroid_rope = ops.rope_of(cache, buf.stacks.centroid_pos.transpose(0, 1).reshape(B, L * K))
+        # with proxy_rope, every layer's centroid rotary factors in one lookup per step ([B, L * K, 2, hd], layer l's
+        # K rows a view); without, centroids are un-rotated queries: they rotate by the trash slot's position, 0
+        self.centroid_rope = (ops.rope_of(cache, buf.stacks.centroid_pos.transpose(0, 1).reshape(B, L * K))
+                              if sel.config.proxy_rope else None)
         self.wants_head = sel.packet_logits
         self.x = state.x
         self.n_kv = 0
@@ -272,16 +278,27 @@ class PolestarMembers(MemberStrategy):
         centroids.add_(centroid_shift(buf.labels[layer], buf.counts[layer], packet.rows, packet.valid, packet.out,
                                       old, centroids.dtype))
 
+    def write_packet(self, layer: int, packet: Packet) -> None:
+        """With plain stores, the packet's store write, its rows' previous values and the centroid shift are one
+        operation (:func:`~polestar.kernels.member_rows.packet_write`); else as every strategy does it."""
+        if not self.plain:
+            return super().write_packet(layer, packet)
+        buf = self.buffers
+        with scope("store"):
+            packet_write(self.store.rows(layer), buf.centroids[layer], buf.labels[layer], buf.counts[layer],
+                         packet.rows, packet.valid, packet.out)
+
     def extra_rows(self, layer: int, h: torch.Tensor, packet: Packet | None, kv: ExtraRows | None,
                    meter) -> ExtraRows | tuple[ExtraRows, ...] | None:
         """The packet's K/V rows (``kv``) and, where the layer refreshes, its centroids as query-only rows (their
-        rotary factors from the step's one lookup); the layer pass joins them with its own rows."""
+        rotary factors from the step's one lookup with ``proxy_rope``, else those of the trash slot's position 0, the
+        identity); the layer pass joins them with its own rows."""
         buf = self.buffers
         self.n_kv = 0 if kv is None else kv.inputs.shape[1]
         if not self.sel.refreshes_layer(layer, self.ops.spec.n_layers):
             return kv
-        K = self.n_centroids
-        rope = RopeTable(self.centroid_rope.factors[:, layer * K : (layer + 1) * K])
+        K, table = self.n_centroids, self.centroid_rope
+        rope = None if table is None else RopeTable(table.factors[:, layer * K : (layer + 1) * K])
         proxies = ExtraRows(buf.centroids[layer], None, self.proxy_slots, rope)
         return proxies if kv is None else (kv, proxies)
 
@@ -290,22 +307,30 @@ class PolestarMembers(MemberStrategy):
         if not sel.refreshes_layer(layer, ops.spec.n_layers):
             return None
         B, H, _, hd = qkv.q.shape
-        q_extra = qkv.q[:, :, qkv.n_plan:]
-        if packet is not None:  # the packet rows' new queries, from this layer's pass, replace the stored ones
-            q_packet = q_extra[:, :, : self.n_kv]
+        C = qkv.n_plan
+        q_extra = qkv.q[:, :, C:]
+        # the packet rows' new queries, from this layer's pass, replace the stored ones (before the members' are read)
+        q_packet = None if packet is None else q_extra[:, :, : self.n_kv]
+        joined = self.plain and layer > 0  # layer 0's member inputs are token embeddings, not stored rows
+        if q_packet is not None and not joined:
             with scope("store"):
                 buf.qstore.write(layer, packet.rows, None, q_packet.transpose(1, 2).reshape(B, -1, H * hd))
         with scope("proxy_attention"):
             cur = proxy_probs(ops, self.cache, layer, local.key_rope, q_extra[:, :, self.n_kv:], qkv.meter)
-        with scope("drift"):
-            drift = sel.drift.score(cur, buf.prev[layer])
-        torch.where(self.due[:, None, None, None], cur, buf.prev[layer], out=buf.prev[layer])  # in place, one op
+        with scope("drift"):  # the rows due keep this step's distributions for the next update (in place)
+            drift = sel.drift.score_keep(cur, buf.prev[layer], self.due)
         k = sel.config.topk_last if layer == ops.spec.n_layers - 1 else sel.config.topk
         counts, labels = buf.counts[layer], buf.labels[layer]
         rows, valid, chosen = cluster_members(drift, counts, labels, self.window.valid, self.due, k,
                                               self.capacity[layer], self.trash)
         if self.detail is not None:  # an observer records: every cluster's drift and the chosen ones
             self.detail.entry(CLUSTERS)[layer] = ClusterDrift(drift, counts, chosen, self.window.positions, labels)
+        if joined:  # the packet's queries stored, the members' queries and inputs joined to the plan's: one operation
+            with scope("store"):
+                q_att, resid, slots = member_rows(buf.qstore.rows(layer), self.store.rows(layer), qkv.q[:, :, :C],
+                                                  qkv.h, rows, self.row_slot, None if packet is None else packet.rows,
+                                                  q_packet)
+            return Selection(rows, valid, q_att, resid, slots, joined=True)
         with scope("store"):
             q = buf.qstore.read(layer, rows).view(B, -1, H, hd).transpose(1, 2)
         inputs = None

@@ -38,6 +38,14 @@ class PolestarSelection(Protocol):
         """The current block's window."""
         ...
 
+    def keep_window(self, window: Window, buf: WindowBuffers, cache: DecodeCache) -> None:
+        """Keep the block's window in its buffers (at the block's first step)."""
+        ...
+
+    def kept_window(self, state: DecodeState, buf: WindowBuffers) -> Window:
+        """The block's window as its first step kept it."""
+        ...
+
     def refreshes_layer(self, layer: int, n_layers: int) -> bool:
         """Whether ``layer`` recomputes members in an update step."""
         ...
@@ -87,6 +95,11 @@ class WindowBuffers:
     capacity: tuple[int, ...] = ()
     #: ``centroids, labels, counts, centroid_pos, prev`` stacked over the layers (the tuples above are their rows)
     stacks: WindowStacks | None = None
+    #: the block's window as its first step computed it, kept for the block's update steps: ``row_slot [Nw + 1]``
+    #: long each store row's cache slot (the window's positions, then the cache's trash slot for the trash row) and
+    #: ``valid [B, Nw]`` bool (:class:`~polestar.policies.sparse_update.Window`)
+    row_slot: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
 
 class WindowStacks(NamedTuple):

@@ -39,6 +39,9 @@ class Quantizer(Stage):
     """
 
     lossless: bool = False
+    #: the encoded form is the values themselves: ``to_leaves(encode(x))`` is ``(x,)`` (checked by the laws), so a
+    #: store may read and write its rows without encoding (fused row operations)
+    plain: bool = False
 
     def encode(self, x):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -89,6 +92,9 @@ def quant_laws(stage: Quantizer, x: torch.Tensor) -> None:
     leaves = stage.to_leaves(packed)
     rebuilt = stage.decode(stage.from_leaves(tuple(leaves), x.shape[-1], x.dtype))
     assert torch.equal(rebuilt, y), f"quant stage {stage.name!r}: from_leaves(to_leaves(...)) decodes differently"
+    if stage.plain:
+        assert len(leaves) == 1 and leaves[0].dtype == x.dtype and torch.equal(leaves[0], x), (
+            f"quant stage {stage.name!r} is declared plain but its leaves are not the values themselves")
 
 
 QUANT = register_kind(StageKind(
@@ -101,6 +107,7 @@ class NoQuant(Quantizer):
     """Identity: values kept in the model dtype. Leaves: ``(x [..., D],)``."""
 
     lossless = True
+    plain = True
 
     @attrs.frozen
     class Config:

@@ -204,7 +204,8 @@ class PolestarRefresh(RefreshSelector):
         stacks = WindowStacks(zeros(B, K, spec.d_model), zeros(B, n, dt=torch.long), zeros(B, K, dt=torch.long),
                               zeros(B, K, dt=torch.long), zeros(B, spec.n_heads, K, state.length + 1, dt=torch.float32))
         return WindowBuffers(parts, store, qstore, keys, *(t.unbind(0) for t in stacks), tuple(self.capacities(n, L)),
-                             stacks)
+                             stacks, torch.zeros(n + 1, dtype=torch.long, device=device),
+                             torch.zeros(B, n, dtype=torch.bool, device=device))
 
     #: bytes of kept window inputs (with the clusterer's fp32 copies of them) one block start's clusterer call may
     #: hold when clustering layers together: the layers are clustered in groups that fit (every layer in one call
@@ -252,6 +253,17 @@ class PolestarRefresh(RefreshSelector):
         bl = state.block_length
         return make_window(state.clock.block_start, bl, state.logit_shift, self.config.prefix_blocks * bl,
                            state.phase.refresh.n_post, cache)
+
+    def keep_window(self, window: Window, buf: WindowBuffers, cache: DecodeCache) -> None:
+        """Keep the block's ``window`` in ``buf`` (written in place at the block's first step) for
+        :meth:`kept_window`."""
+        buf.row_slot.copy_(torch.cat([window.positions, window.positions.new_full((1,), cache.trash)]))
+        buf.valid.copy_(window.valid)
+
+    def kept_window(self, state: DecodeState, buf: WindowBuffers) -> Window:
+        """The current block's :class:`Window` as its first step kept it (the same values as :meth:`window`; an update
+        step reads it instead of computing it)."""
+        return Window(buf.row_slot[:-1], buf.valid, self.config.prefix_blocks * state.block_length)
 
     def after_step(self, state: DecodeState, cache: DecodeCache, model, local: PolestarRefreshState) -> AfterStep:
         """Flags ``[1]`` bool: is any row due for a sparse update at the next step. A row is due when the step just

@@ -44,6 +44,19 @@ class RowStore:
         self.anchored = [False] * n_layers
         self._all_rows = torch.arange(n_rows, device=self.device).expand(batch, n_rows)
 
+    @property
+    def plain(self) -> bool:
+        """Whether each layer's rows are one tensor ``[B, n_rows + 1, dim]`` on the compute device holding the values
+        themselves (a plain quantizer, a resident offloader; never anchored): :meth:`rows` gives it, for fused row
+        operations that read and write it directly."""
+        return self.quant.plain and self.offload.resident and self.dtype == self.stored[0][0].dtype
+
+    def rows(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s stored rows ``[B, n_rows + 1, dim]`` (only for a :attr:`plain` store)."""
+        if not self.plain:
+            raise ValueError("only a plain store (quant with plain=True, offload with resident=True) exposes its rows")
+        return self.stored[layer][0]
+
     def write_all(self, layer: int, values: torch.Tensor, anchor: torch.Tensor | None = None) -> None:
         """Store every row of ``layer``: ``values [B, n_rows, dim]``; ``anchor [B, n_rows, dim]`` or None (see the
         class docstring: lossy quantizers store ``values − anchor``, and later writes are residuals to it too)."""

@@ -66,21 +66,27 @@ class Selection(NamedTuple):
     ``rows``: ``[B, M]`` long store rows (the store's trash row where not valid); ``valid``: ``[B, M]`` bool;
     ``q``: ``[B, H, M, hd]`` their queries after RoPE, or None (the mechanism then projects them from their inputs:
     one more pass over the layer's q weight, counted); ``inputs``: ``[B, M, d]`` their layer inputs, or None (read
-    from the store).
+    from the store); ``slots``: ``[B, M]`` their cache slots, or None (``strategy.slots(rows)``); ``joined``: ``q``
+    and ``inputs`` already hold the plan's rows first (``[B, H, C + M, hd]``, ``[B, C + M, d]``: a strategy that
+    gathers its members straight into the layer's attention rows, one operation).
     """
 
     rows: torch.Tensor
     valid: torch.Tensor
     q: torch.Tensor | None = None
     inputs: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    joined: bool = False
 
 
 class Packet(NamedTuple):
-    """One layer's member outputs on their way to the next layer: ``rows``, ``valid`` ``[B, M]``, ``out [B, M, d]``."""
+    """One layer's member outputs on their way to the next layer: ``rows``, ``valid``, ``slots`` (their cache slots)
+    ``[B, M]``, ``out [B, M, d]``."""
 
     rows: torch.Tensor
     valid: torch.Tensor
     out: torch.Tensor
+    slots: torch.Tensor
 
 
 class HiddenStore:
@@ -134,6 +140,13 @@ class MemberStrategy:
     def on_write(self, layer: int, packet: Packet, old: torch.Tensor | None) -> None:
         """Called after the packet was written into the store at ``layer`` (``old``: previous values or None)."""
 
+    def write_packet(self, layer: int, packet: Packet) -> None:
+        """Write ``packet`` into the store at ``layer`` (its unused rows are the trash row) and call :meth:`on_write`
+        with the rows' previous values when :attr:`wants_old`. A strategy may do all of it in one operation."""
+        old = self.store.read(layer, packet.rows) if self.wants_old else None
+        self.store.write(layer, packet.rows, None, packet.out)
+        self.on_write(layer, packet, old)
+
 
 class SparseUpdate(LayerHook):
     """The per-step :class:`~polestar.stages.LayerHook` of a sparse update driven by a :class:`MemberStrategy`.
@@ -152,7 +165,7 @@ class SparseUpdate(LayerHook):
         self.strategy, self.ops, self.cache = strategy, ops, cache
         self.n_layers = ops.spec.n_layers
         self.packet_rows: Packet | None = None
-        self.current: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.current: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.chosen: list[torch.Tensor] = []  # each layer's valid members [B, M_l], counted once after the pass
         self._none = torch.zeros(batch, dtype=torch.long, device=device)
 
@@ -167,11 +180,8 @@ class SparseUpdate(LayerHook):
         strategy, packet = self.strategy, self.packet_rows
         kv = None
         if packet is not None:
-            old = strategy.store.read(layer, packet.rows) if strategy.wants_old else None
-            strategy.store.write(layer, packet.rows, None, packet.out)  # unused rows are the trash row (Selection)
-            strategy.on_write(layer, packet, old)
-            slots = strategy.slots(packet.rows)  # invalid slots hold the trash row (Selection): the trash slot
-            kv = ExtraRows(packet.out, None, slots, self.ops.slot_rope(self.cache, slots))
+            strategy.write_packet(layer, packet)  # unused rows are the trash row (Selection)
+            kv = ExtraRows(packet.out, None, packet.slots)  # rotated by their slots' positions (trash: the trash slot)
         return strategy.extra_rows(layer, h, packet, kv, meter)
 
     def members(self, layer: int, qkv: LayerQKV) -> MemberRows | None:
@@ -181,21 +191,22 @@ class SparseUpdate(LayerHook):
             self.current = None
             return None
         inputs = sel.inputs if sel.inputs is not None else self.strategy.store.read(layer, sel.rows)
+        slots = sel.slots if sel.slots is not None else self.strategy.slots(sel.rows)
         q = sel.q
         if q is None:
-            positions = self.cache.positions.gather(1, self.strategy.slots(sel.rows))
+            positions = self.cache.positions.gather(1, slots)
             q = self.ops.project_queries(layer, inputs, positions, qkv.meter)
-        self.current = (sel.rows, sel.valid)
+        self.current = (sel.rows, sel.valid, slots)
         self.chosen.append(sel.valid)
         if self.detail is not None:  # an observer records: the members' cache positions
-            self.detail.refreshed[layer] = (self.strategy.slots(sel.rows), sel.valid)
-        return MemberRows(q, inputs)
+            self.detail.refreshed[layer] = (slots, sel.valid)
+        return MemberRows(q, inputs, sel.joined)
 
     def after_layer(self, layer: int, out: torch.Tensor) -> None:
-        rows, valid = self.current
+        rows, valid, slots = self.current
         if layer < self.n_layers - 1:
-            self.packet_rows = Packet(rows, valid, out)
+            self.packet_rows = Packet(rows, valid, out, slots)
         elif self.strategy.wants_head:
             self.head_rows = out
-            self.head_positions = self.strategy.slots(rows)
+            self.head_positions = slots
             self.head_valid = valid
