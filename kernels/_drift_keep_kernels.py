@@ -11,20 +11,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common_kernels import reduce_sum
+from ._common_kernels import cosine_dissimilarity, kl_terms, reduce_sum
 
 
 @triton.jit
 def _load_chunk(ptr, start, N, stride_n, BLOCK: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     return tl.load(ptr + offs.to(tl.int64) * stride_n, mask=offs < N, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _kl_terms(p, q, eps):
-    # as _drift_kernels._kl_terms (not imported: the test conftest reloads this module before that one)
-    p = tl.maximum(p, 0.0)
-    return p * (tl.log(tl.maximum(p, eps)) - tl.log(tl.maximum(q, eps)))
 
 
 @triton.jit
@@ -38,24 +31,18 @@ def _head_divergence(c_ptr, p_ptr, N, stride_cn, stride_pn, eps, METRIC: tl.cons
         p = _load_chunk(c_ptr, start, N, stride_cn, BLOCK)
         q = _load_chunk(p_ptr, start, N, stride_pn, BLOCK)
         if METRIC == 0:
-            acc += _kl_terms(p, q, eps)
+            acc += kl_terms(p, q, eps)
         elif METRIC == 1:
             p = tl.maximum(p, 0.0)
             q = tl.maximum(q, 0.0)
             m = (p + q) * 0.5
-            acc += 0.5 * _kl_terms(p, m, eps) + 0.5 * _kl_terms(q, m, eps)
+            acc += 0.5 * kl_terms(p, m, eps) + 0.5 * kl_terms(q, m, eps)
         else:
             acc += p * q
             pp += p * p
             qq += q * q
     if METRIC == 2:
-        d = reduce_sum(acc, axis=0)
-        np_ = reduce_sum(pp, axis=0)
-        nq = reduce_sum(qq, axis=0)
-        denom = tl.sqrt(np_) * tl.sqrt(nq)
-        both_zero = (np_ == 0.0) & (nq == 0.0)
-        cos = tl.where(denom > 0.0, d / tl.where(denom > 0.0, denom, 1.0), tl.where(both_zero, 1.0, 0.0))
-        out = tl.minimum(tl.maximum(1.0 - cos, 0.0), 2.0)
+        out = cosine_dissimilarity(acc, pp, qq)
     else:
         out = tl.maximum(reduce_sum(acc, axis=0), 0.0)
     return out

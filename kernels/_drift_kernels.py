@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common_kernels import reduce_max, reduce_sum
+from ._common_kernels import cosine_dissimilarity, kl_terms, reduce_max, reduce_sum
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -23,13 +23,6 @@ def _load_row_chunk(ptr, row, stride, start, N, other, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _kl_terms(p, q, eps):
-    # p * (log max(p, eps) - log max(q, eps)); p == 0 contributes exactly 0
-    p = tl.maximum(p, 0.0)
-    return p * (tl.log(tl.maximum(p, eps)) - tl.log(tl.maximum(q, eps)))
-
-
-@triton.jit
 def kl_rows_kernel(p_ptr, q_ptr, out_ptr, N, stride_p, stride_q, eps, BLOCK: tl.constexpr):
     """out[r] = max(0, sum_n p[r,n] (log max(p,eps) - log max(q,eps)))."""
     row = tl.program_id(0).to(tl.int64)
@@ -37,7 +30,7 @@ def kl_rows_kernel(p_ptr, q_ptr, out_ptr, N, stride_p, stride_q, eps, BLOCK: tl.
     for start in range(0, N, BLOCK):
         p = _load_row_chunk(p_ptr, row, stride_p, start, N, 0.0, BLOCK)
         q = _load_row_chunk(q_ptr, row, stride_q, start, N, 0.0, BLOCK)
-        acc += _kl_terms(p, q, eps)
+        acc += kl_terms(p, q, eps)
     tl.store(out_ptr + row, tl.maximum(reduce_sum(acc, axis=0), 0.0))
 
 
@@ -50,7 +43,7 @@ def js_rows_kernel(p_ptr, q_ptr, out_ptr, N, stride_p, stride_q, eps, BLOCK: tl.
         p = tl.maximum(_load_row_chunk(p_ptr, row, stride_p, start, N, 0.0, BLOCK), 0.0)
         q = tl.maximum(_load_row_chunk(q_ptr, row, stride_q, start, N, 0.0, BLOCK), 0.0)
         m = (p + q) * 0.5
-        acc += 0.5 * _kl_terms(p, m, eps) + 0.5 * _kl_terms(q, m, eps)
+        acc += 0.5 * kl_terms(p, m, eps) + 0.5 * kl_terms(q, m, eps)
     tl.store(out_ptr + row, tl.maximum(reduce_sum(acc, axis=0), 0.0))
 
 
@@ -67,13 +60,7 @@ def cosine_rows_kernel(p_ptr, q_ptr, out_ptr, N, stride_p, stride_q, BLOCK: tl.c
         dot += p * q
         pp += p * p
         qq += q * q
-    d = reduce_sum(dot, axis=0)
-    np_ = reduce_sum(pp, axis=0)
-    nq = reduce_sum(qq, axis=0)
-    denom = tl.sqrt(np_) * tl.sqrt(nq)
-    both_zero = (np_ == 0.0) & (nq == 0.0)
-    cos = tl.where(denom > 0.0, d / tl.where(denom > 0.0, denom, 1.0), tl.where(both_zero, 1.0, 0.0))
-    tl.store(out_ptr + row, tl.minimum(tl.maximum(1.0 - cos, 0.0), 2.0))
+    tl.store(out_ptr + row, cosine_dissimilarity(dot, pp, qq))
 
 
 @triton.jit

@@ -78,10 +78,12 @@ def test_check_sh_installs_offline_and_runs_every_step(bare_python, tmp_path):
         assert r["graph_replays"] is None and r["bound_ms"] is None
     assert rows["skipped"] == []
     kernels = {k["kernel"]: k for k in rows["kernels"]}
-    assert set(kernels) == {"proxy_attention", "kl_drift", "kmeans_assign", "nvfp4_quantize", "nvfp4_dequantize"}
+    assert set(kernels) == {"proxy_attention", "kl_drift", "kmeans_assign", "nvfp4_quantize", "nvfp4_dequantize",
+                            "drift_keep", "packet_write", "member_rows"}
     assert set(check.EXACT_KERNELS) < set(kernels) and rows["kernel_mismatches"] == []
     assert all(kernels[name]["max_abs_diff"] == 0 for name in check.EXACT_KERNELS)
     assert kernels["proxy_attention"]["max_abs_diff"] < 1e-5 and kernels["kl_drift"]["max_abs_diff"] < 1e-5
+    assert kernels["drift_keep"]["max_abs_diff"] < 1e-5 and kernels["packet_write"]["max_abs_diff"] < 0.1
 
 
 @pytest.mark.slow

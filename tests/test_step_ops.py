@@ -7,7 +7,7 @@ from polestar.bench.step_ops import step_ops
 
 #: ceilings of ops per step at 32 layers, tiny width (measured values rounded up by ~3 %): a change that adds
 #: per-layer operations to a policy's step fails here and says by how much
-CEILINGS = {"fast-dllm": 672, "polestar": 1000, "elastic-cache": 1700, "dllm-cache": 1135}
+CEILINGS = {"fast-dllm": 672, "polestar": 845, "elastic-cache": 1700, "dllm-cache": 1135}
 
 
 def test_the_dual_cache_step_issues_at_most_25_operations_per_layer():
@@ -38,10 +38,12 @@ def test_ops_per_layer_do_not_grow_with_depth():
 @pytest.mark.slow  # two eager 32-layer decodes of 128 tokens each
 def test_ops_per_step_at_the_papers_shape_stay_under_their_ceiling():
     """At the paper's shape (one prompt of 64, gen 128 in blocks of 32, two tokens per step) every Polestar step is
-    a sparse update: measured 1,420.5 operations per step against the dual cache's 629.2 (2.26x); the goal is 1.5x
-    (see the log for what it takes). A change that adds operations there fails here."""
+    a sparse update: measured 914.4 operations per step against the dual cache's 627.2 (1.46x; the update layer's
+    packet write, drift and member rows are one fused operation each). A change that adds operations there fails
+    here."""
     from polestar.bench.step_ops import PAPER
 
     polestar, dual = step_ops("polestar", 32, setting=PAPER), step_ops("fast-dllm", 32, setting=PAPER)
     assert dual.per_layer <= 25, dual
-    assert polestar.per_step <= 1465, polestar
+    assert polestar.per_step <= 1.5 * dual.per_step, (polestar, dual)
+    assert polestar.per_step <= 942, polestar

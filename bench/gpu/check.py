@@ -49,13 +49,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 import polestar
 from polestar.fixtures import write_published_checkpoint
-from polestar.kernels.drift import kl_drift, reference_kl_drift
+from polestar.kernels.drift import DEFAULT_EPS, kl_drift, reference_kl_drift
+from polestar.kernels.drift_keep import METRICS, drift_keep, reference_drift_keep
 from polestar.kernels.kmeans import kmeans_assign, reference_kmeans_assign
+from polestar.kernels.member_rows import member_rows, packet_write, reference_member_rows, reference_packet_write
 from polestar.kernels.proxy_attention import proxy_attention, reference_proxy_attention
 from polestar.kernels.quant import (
     nvfp4_dequantize,
@@ -83,7 +86,7 @@ COMPILE_POLICIES = ("fast-dllm", "polestar")
 COMPILE_RESERVE = 160.0
 #: step 6's kernels whose results must equal their references' bit for bit (labels, codes, scales, dequantized
 #: values); the others compute in a different order and are compared by their largest difference alone
-EXACT_KERNELS = ("kmeans_assign", "nvfp4_quantize", "nvfp4_dequantize")
+EXACT_KERNELS = ("kmeans_assign", "nvfp4_quantize", "nvfp4_dequantize", "member_rows")
 #: Polestar's defaults the kernel shapes of step 6 follow: clusters per layer, window blocks (2 before, 1 after)
 N_CLUSTERS, WINDOW_BLOCKS = 8, 3
 HEADER = (f"{'policy':13s} {'batch':>5s} {'layers':>6s} {'mode':>8s} {'ms/step':>8s} {'bound':>7s} {'x bound':>7s} "
@@ -392,6 +395,8 @@ def kernel_rows(args, device: torch.device) -> list[dict]:
     x, centroids = randn(2 * batch, part, d), randn(2 * batch, 5, d)
     rows = randn(batch, WINDOW_BLOCKS * block + 1, d, dtype=torch.bfloat16)
     packed = reference_nvfp4_quantize(rows, per_row=True)
+    update = update_case(batch, heads, hd, d, block, WINDOW_BLOCKS * block, randn, device)
+    due = torch.ones(batch, dtype=torch.bool, device=device)
     cases = (
         ("proxy_attention", lambda: proxy_attention(q, keys, valid, hd ** -0.5, backend="triton"),
          lambda: reference_proxy_attention(q, keys, valid, hd ** -0.5)),
@@ -402,6 +407,12 @@ def kernel_rows(args, device: torch.device) -> list[dict]:
          lambda: reference_nvfp4_quantize(rows, per_row=True).packed),
         ("nvfp4_dequantize", lambda: nvfp4_dequantize(packed, backend="triton"),
          lambda: reference_nvfp4_dequantize(packed)),
+        ("drift_keep", lambda: drift_keep(p, p_prev.clone(), due, METRICS["kl"], backend="triton"),
+         lambda: reference_drift_keep(p, p_prev.clone(), due, METRICS["kl"], DEFAULT_EPS)),
+        ("packet_write", lambda: update.packet_write(lambda *a: packet_write(*a, backend="triton")),
+         lambda: update.packet_write(reference_packet_write)),
+        ("member_rows", lambda: update.member_rows(lambda *a: member_rows(*a, backend="triton")),
+         lambda: update.member_rows(reference_member_rows)),
     )
     out = []
     for label, fast, ref in cases:
@@ -412,6 +423,52 @@ def kernel_rows(args, device: torch.device) -> list[dict]:
         print(f"{label:17s} triton {r['triton_ms']:8.3f}  torch {r['reference_ms']:8.3f}  "
               f"x{r['reference_ms'] / max(r['triton_ms'], 1e-9):6.2f}  max |diff| {diff:.3g}", flush=True)
     return out
+
+
+class UpdateCase(NamedTuple):
+    """One sparse-update layer's row operations on a window of ``n`` rows (plus the trash row): a packet of ``m``
+    distinct rows written into the store with the centroid shift, then ``m`` members' rows joined behind the block's
+    rows (half of them packet rows). Each call works on fresh copies of the stores and returns what it wrote and
+    gave back, flattened to fp32."""
+
+    store: torch.Tensor
+    qstore: torch.Tensor
+    centroids: torch.Tensor
+    labels: torch.Tensor
+    counts: torch.Tensor
+    rows: torch.Tensor
+    new: torch.Tensor
+    q_plan: torch.Tensor
+    h: torch.Tensor
+    q_packet: torch.Tensor
+    row_slot: torch.Tensor
+
+    def packet_write(self, op: Callable) -> torch.Tensor:
+        store, centroids = self.store.clone(), self.centroids.clone()
+        valid = torch.ones_like(self.rows, dtype=torch.bool)
+        op(store, centroids, self.labels, self.counts, self.rows, valid, self.new)
+        return torch.cat([store.float().flatten(), centroids.float().flatten()])
+
+    def member_rows(self, op: Callable) -> torch.Tensor:
+        members = self.rows.roll(self.rows.shape[1] // 2, dims=1)
+        q_att, resid, slots = op(self.qstore.clone(), self.store, self.q_plan, self.h, members, self.row_slot,
+                                 self.rows, self.q_packet)
+        return torch.cat([q_att.float().flatten(), resid.float().flatten(), slots.float().flatten()])
+
+
+def update_case(batch: int, heads: int, hd: int, d: int, block: int, n: int, randn, device) -> UpdateCase:
+    """An :class:`UpdateCase` at one step's shapes: ``block`` packet rows and members out of ``n`` window rows,
+    ``N_CLUSTERS`` clusters, bf16 stores."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    m = min(block, n)
+    labels = torch.randint(0, N_CLUSTERS, (batch, n), generator=gen, device=device)
+    counts = torch.nn.functional.one_hot(labels, N_CLUSTERS).sum(1)
+    rows = torch.stack([torch.randperm(n, generator=gen, device=device)[:m] for _ in range(batch)])
+    bf16 = torch.bfloat16
+    return UpdateCase(randn(batch, n + 1, d, dtype=bf16), randn(batch, n + 1, heads * hd, dtype=bf16),
+                      randn(batch, N_CLUSTERS, d, dtype=bf16), labels, counts, rows, randn(batch, m, d, dtype=bf16),
+                      randn(batch, heads, block, hd, dtype=bf16), randn(batch, block, d, dtype=bf16),
+                      randn(batch, heads, m, hd, dtype=bf16), torch.arange(n + 1, device=device))
 
 
 def kernel_mismatches(rows: list[dict]) -> list[str]:
