@@ -55,6 +55,12 @@ def check_drift(stage, out, cur: torch.Tensor, prev: torch.Tensor) -> None:
         fail(stage, "score", out, f"a drift must be >= 0; its minimum is {out.min().item():.4g}")
 
 
+def check_drift_keep(stage, out, cur: torch.Tensor, prev: torch.Tensor, due: torch.Tensor) -> None:
+    """``score_keep(cur, prev, due)``: a drift as :func:`check_drift` requires (the laws check that it equals
+    ``score`` and that ``prev`` keeps ``cur`` in the rows due)."""
+    check_drift(stage, out, cur, prev)
+
+
 def drift_examples(gen: torch.Generator, n: int):
     """``n`` attention pairs ``(cur, prev) [B, H, R, T]`` of random sizes, near-uniform to near-one-hot rows."""
     for i in range(n):
@@ -86,7 +92,7 @@ def drift_laws(metric: DriftMetric, cur: torch.Tensor, prev: torch.Tensor) -> No
 
 DRIFT = register_kind(StageKind(
     "drift", DriftMetric, "how far each row's attention moved between two steps",
-    contract={"score": check_drift}, examples=drift_examples, laws=drift_laws, default="kl"))
+    contract={"score": check_drift, "score_keep": check_drift_keep}, examples=drift_examples, laws=drift_laws, default="kl"))
 
 
 @attrs.frozen
