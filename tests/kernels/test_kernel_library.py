@@ -166,3 +166,48 @@ def test_reregistration_on_reload_is_a_noop(kdev):
     t = _inputs(kdev)
     probs = pa.proxy_attention_triton(t["qa"], t["k"], t["valid"], 0.3)
     torch.testing.assert_close(probs, pa.reference_proxy_attention(t["qa"], t["k"], t["valid"], 0.3))
+
+
+# ----------------------------------------------------------------------------- fused operations of a step
+
+
+def fused_tables() -> dict[str, dict]:
+    """Every dispatch table of :mod:`polestar.kernels` that has a ``fused`` entry, by its op's qualified name."""
+    from polestar.bench.kernel_aot import kernel_modules
+
+    return {table["fused"].default.name(): table for module in kernel_modules() for table in vars(module).values()
+            if isinstance(table, dict) and "fused" in table}
+
+
+@needs_triton
+def test_every_fused_operation_a_decode_counts_as_one_is_one_triton_launch_on_cuda():
+    """An operation counted as one (``torch.ops.polestar_fused.*``) is one kernel where a GPU runs it: each has a
+    Triton twin in its table and a CUDA kernel registered; and every fused operation a Polestar decode dispatches,
+    plain and NVFP4 stores alike, is one of them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import polestar
+    from polestar.testing import tiny_model
+
+    tables = fused_tables()
+    for name, table in tables.items():
+        assert "triton" in table and "reference" in table, name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), f"{name} has no CUDA kernel"
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == _library.FUSED_NAMESPACE:
+                self.names.add(func.name().split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model("llada", seed=0, n_layers=3)
+    with Seen() as seen:
+        for quant in ("none", "nvfp4"):
+            polestar.generate(model, [[5, 17, 3, 8], [9, 1, 22]], policy="polestar", gen_length=32, block_length=8,
+                              quant=quant, stop_at_eos=False)
+    assert seen.names and seen.names <= set(tables), seen.names - set(tables)
+    assert {"polestar_fused::packet_write", "polestar_fused::member_rows", "polestar_fused::drift_keep"} <= seen.names
