@@ -92,7 +92,8 @@ def drift_laws(metric: DriftMetric, cur: torch.Tensor, prev: torch.Tensor) -> No
 
 DRIFT = register_kind(StageKind(
     "drift", DriftMetric, "how far each row's attention moved between two steps",
-    contract={"score": check_drift, "score_keep": check_drift_keep}, examples=drift_examples, laws=drift_laws, default="kl"))
+    contract={"score": check_drift, "score_keep": check_drift_keep}, examples=drift_examples, laws=drift_laws,
+    default="kl"))
 
 
 @attrs.frozen
