@@ -53,6 +53,7 @@ from .state import (
     CommitOrigins,
     DecodeState,
     Prediction,
+    StepDetail,
     StepPhase,
     UpdatePacket,
     propose_from,
@@ -231,7 +232,8 @@ def persistent_tensors(gen: Generation) -> list[torch.Tensor]:
     """Every tensor a step of ``gen`` may read or write besides the model's weights: the decode state, the cache,
     the counters, the stop ids and every tensor held by the stages' state objects (attrs fields, lists, dicts,
     tuples and plain objects, walked recursively). These are the step's graph inputs; on CUDA they are marked as
-    static addresses."""
+    static addresses. An observer's :class:`~polestar.state.StepDetail` is not among them: it holds what a step
+    gathered for the observer (outputs), not buffers a step reads."""
     seen: set[int] = set()
     out: list[torch.Tensor] = []
 
@@ -242,7 +244,7 @@ def persistent_tensors(gen: Generation) -> list[torch.Tensor]:
                 out.append(obj)
             return
         if obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.nn.Module, torch.Generator,
-                                           torch.dtype, torch.device)) or id(obj) in seen:
+                                           torch.dtype, torch.device, StepDetail)) or id(obj) in seen:
             return
         seen.add(id(obj))
         if isinstance(obj, dict):
@@ -504,7 +506,7 @@ class StepRunner:
         else:
             self.compiled_steps += 1
         with self.running():
-            if self.graphs is not None and gen.state.detail is None:  # an observer's step runs uncaptured
+            if self.graphs is not None:  # an observer's step too: its view and detail are outputs of its graph
                 return self.graphs(gen)
             return decode_step(gen)
 

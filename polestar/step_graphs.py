@@ -13,7 +13,12 @@ replayed on the same buffers: what SGLang's graph runner does for its eager forw
   of checked stages (:mod:`polestar.contracts`, host reads) run in the eager first step and are suspended while
   capturing;
 * what the step returns is the captured graph's output: the "work left" flags are a tensor the replay rewrites,
-  and the cost counters are plain ints, the same for every step of the phase.
+  and the cost counters are plain ints, the same for every step of the phase;
+* a step an observer watches (``state.detail``, :class:`~polestar.state.StepDetail`) is captured and replayed the
+  same way, as a graph of its own per phase (it records more than an unwatched step): its view of the step
+  (:class:`~polestar.step.StepView`) is part of its output, and the detail the stages filled at the capture is handed
+  back at each replay (``state.detail``), its tensors rewritten by the replay. So observing a decode never takes
+  its steps off their graphs; the observer copies what it keeps before the next step.
 
 A graph belongs to one generation object (its buffers' addresses) and one phase; generations reused from the pool
 (:func:`polestar.engine.acquire_generation`) reuse their graphs, as long as the generation and its model still hold
@@ -152,8 +157,10 @@ class StepGraphs:
         self._step = step
         self._make = graph if graph is not None else (lambda gen: CudaGraph())
         self._reads = reads
-        self._graphs: dict[tuple[int, Any], tuple[Any, StepGraph, Any, tuple]] = {}
-        self._seen: set[tuple[int, Any]] = set()
+        #: (generation id, phase, observed) → (generation, graph, its output, the tensors it reads, the detail its
+        #: stages filled at the capture or None)
+        self._graphs: dict[tuple[int, Any, bool], tuple[Any, StepGraph, Any, tuple, Any]] = {}
+        self._seen: set[tuple[int, Any, bool]] = set()
         self.eager = self.captured = self.replayed = 0
 
     def keep_valid(self, gen) -> int:
@@ -171,11 +178,14 @@ class StepGraphs:
         return len(stale)
 
     def __call__(self, gen):
-        key = (id(gen), gen.state.phase)
+        detail = gen.state.detail  # an observer's step: captured too, as a graph of its own (it records more)
+        key = (id(gen), gen.state.phase, detail is not None)
         entry = self._graphs.get(key)
         if entry is not None and entry[0] is gen:
             entry[1].replay()
             self.replayed += 1
+            if entry[4] is not None:  # what the stages gathered at the capture, rewritten by the replay
+                gen.state.detail = entry[4]
             return entry[2]
         if key not in self._seen:  # a phase's first step: eagerly (the warm-up of its capture)
             self._seen.add(key)
@@ -185,7 +195,7 @@ class StepGraphs:
         with suspended():  # a checked stage was checked in the phase's first step; a capture reads nothing back
             out = graph.capture(lambda: self._step(gen))
         reads = tuple(self._reads(gen)) if self._reads is not None else ()  # held: their ids stay theirs
-        self._graphs[key] = (gen, graph, out, reads)
+        self._graphs[key] = (gen, graph, out, reads, detail)
         self.captured += 1
         graph.replay()
         self.replayed += 1
