@@ -18,7 +18,7 @@ from polestar.kernels.proxy_attention import proxy_attention
 from . import layer_regions
 from .cost import CostMeter, LayerBytes
 from .hooks import CachedFeatures, ExtraRows, LayerHook, LayerQKV
-from .layer_regions import CachedOutputs, LayerCache, LayerShape, LayerWeights
+from .layer_regions import CachedOutputs, LayerShape, LayerWeights
 from .layers import RopeTable, Rotary
 from .plan import DecodeCache, Plan, full_plan
 from .spec import ModelSpec
@@ -428,7 +428,7 @@ class DiffusionLM(nn.Module):
             probs = self.attention_probs(q_att.gather(2, rows_q), keys, cache.key_valid, meter)
         w = self.layer_weights(layer)
         regions = layer_regions.active()
-        out = regions.attend_mlp(q_att, resid, LayerCache(keys, values, cache.key_valid), w, self.layer_shape)
+        out = regions.attend_mlp(q_att, resid, cache.layer(layer), w, self.layer_shape)
         self._count_out_mlp(layer, meter)
         if members is not None:
             hook.after_layer(layer, out[:, C:])
@@ -446,9 +446,8 @@ class DiffusionLM(nn.Module):
     def _plain_step(self, layer, h, index, rope: RopeTable, cache: DecodeCache, meter: CostMeter) -> torch.Tensor:
         """:meth:`layer_step` without a hook or a probe: the whole layer as one region
         (:meth:`~polestar.models.layer_regions.LayerPasses.decoder_layer`), its K/V written in place."""
-        layer_cache = LayerCache(cache.k[layer], cache.v[layer], cache.key_valid)
-        out = layer_regions.active().passes.decoder_layer(h, index, rope, layer_cache, self.layer_weights(layer),
-                                                          self.layer_shape)
+        out = layer_regions.active().passes.decoder_layer(h, index, rope, cache.layer(layer),
+                                                          self.layer_weights(layer), self.layer_shape)
         counted = self._layer_bytes[layer]  # one meter call: each call a compiled step traces at every layer
         meter.add(counted.qkv_pass + counted.out_mlp_pass, 2 * cache.layer_kv_bytes, h.shape[0] * h.shape[1])
         return out
@@ -462,9 +461,8 @@ class DiffusionLM(nn.Module):
         rows = features.rows
         B, R = rows.shape
         if R > 0:
-            layer_cache = LayerCache(cache.k[layer], cache.v[layer], cache.key_valid)
             out = layer_regions.active().passes.feature_layer(
-                h, rows, index, rope, layer_cache, CachedOutputs(features.attn, features.mlp),
+                h, rows, index, rope, cache.layer(layer), CachedOutputs(features.attn, features.mlp),
                 self.layer_weights(layer), self.layer_shape)
             counted = self._layer_bytes[layer]
             meter.add(counted.qkv_pass + counted.out_mlp_pass, 2 * cache.layer_kv_bytes, B * R)

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from .layer_regions import LayerCache
 from .spec import ModelSpec
 
 
@@ -111,6 +112,11 @@ class DecodeCache:
             self.slot_rope.factors.copy_(self.position_rope.rows(self.positions).factors)
         for t in (*self.k, *self.v, *(self.hidden or ())):
             t.zero_()
+
+    def layer(self, layer: int) -> LayerCache:
+        """Layer ``layer``'s K/V and the key validity, as the layer regions take them
+        (:class:`~polestar.models.layer_regions.LayerCache`)."""
+        return LayerCache(self.k[layer], self.v[layer], self.key_valid)
 
     @property
     def trash(self) -> int:

@@ -46,29 +46,26 @@ _POLICIES = [
 for _name, _refresh, _commit, _description in _POLICIES:
     register_policy(PolicySpec(_name, {"refresh": _refresh, "commit": _commit}, description=_description))
 
-# dLLM-Cache's released loop: LLaDA's fixed steps per block, low-confidence remasking ranked by the softmax over the
-# whole vocabulary (``commit=threshold`` swaps in a confidence threshold)
-register_policy(PolicySpec(
-    "dllm-cache", {"refresh": "dllm-cache", "commit": "topk"}, {"commit": {"mask_in_softmax": True}},
-    description="dLLM-Cache: per-layer attention/MLP feature cache, interval prompt/response refresh, the ratio of "
-                "response rows whose values moved most recomputed in between; LLaDA's fixed steps per block"))
+# the released loops of dLLM-Cache, d2Cache (Research dLLM's vanilla decoding) and the calibrated scores of d2Cache's
+# certainty prior and PC-Sampler (d2Cache's release settings; the papers' settings are the presets of the same
+# names): LLaDA's fixed steps per block, tokens ranked by the softmax over the whole vocabulary (``commit=threshold``
+# swaps in a confidence threshold)
+_RELEASED_LOOPS = [
+    ("dllm-cache", "dllm-cache", "topk",
+     "dLLM-Cache: per-layer attention/MLP feature cache, interval prompt/response refresh, the ratio of response rows "
+     "whose values moved most recomputed in between; LLaDA's fixed steps per block"),
+    ("d2cache", "d2cache", "topk",
+     "d2Cache: after the first forward only chosen rows are recomputed: the current_k masked positions of highest "
+     "confidence x certainty density, the positions just committed and the attention-rollout nucleus rollout_p; "
+     "LLaDA's fixed steps per block"),
+    ("certainty-prior", "full", "certainty-prior",
+     "d2Cache's certainty prior: no cache, confidence x Gaussian density (sigma 10) of the decoded positions; LLaDA's "
+     "fixed steps per block"),
+    ("pc-sampler", "full", "pc-sampler",
+     "PC-Sampler: no cache, confidence debiased by the token's corpus frequency (-p log f, clipped at 10; needs the "
+     "checkpoint's token_frequency.json); LLaDA's fixed steps per block"),
+]
 
-# d2Cache's released loop (Research dLLM's vanilla decoding): fixed tokens per step, ranked by the softmax over the
-# whole vocabulary
-register_policy(PolicySpec(
-    "d2cache", {"refresh": "d2cache", "commit": "topk"}, {"commit": {"mask_in_softmax": True}},
-    description="d2Cache: after the first forward only chosen rows are recomputed: the current_k masked positions of "
-                "highest confidence x certainty density, the positions just committed and the attention-rollout "
-                "nucleus rollout_p; LLaDA's fixed steps per block"))
-
-# Research dLLM's vanilla loop with its calibrated scores: LLaDA's fixed steps per block, the confidence (softmax over
-# the whole vocabulary) times d2Cache's certainty density, or PC-Sampler's debiased, clipped score (d2Cache's release
-# settings; the papers' settings are the presets of the same names)
-register_policy(PolicySpec(
-    "certainty-prior", {"refresh": "full", "commit": "certainty-prior"}, {"commit": {"mask_in_softmax": True}},
-    description="d2Cache's certainty prior: no cache, confidence x Gaussian density (sigma 10) of the decoded "
-                "positions; LLaDA's fixed steps per block"))
-register_policy(PolicySpec(
-    "pc-sampler", {"refresh": "full", "commit": "pc-sampler"}, {"commit": {"mask_in_softmax": True}},
-    description="PC-Sampler: no cache, confidence debiased by the token's corpus frequency (-p log f, clipped at 10; "
-                "needs the checkpoint's token_frequency.json); LLaDA's fixed steps per block"))
+for _name, _refresh, _commit, _description in _RELEASED_LOOPS:
+    register_policy(PolicySpec(_name, {"refresh": _refresh, "commit": _commit}, {"commit": {"mask_in_softmax": True}},
+                               description=_description))

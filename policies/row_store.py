@@ -49,7 +49,7 @@ class RowStore:
         """Whether each layer's rows are one tensor ``[B, n_rows + 1, dim]`` on the compute device holding the values
         themselves (a plain quantizer, a resident offloader; never anchored): :meth:`rows` gives it, for fused row
         operations that read and write it directly."""
-        return self.quant.plain and self.offload.resident and self.dtype == self.stored[0][0].dtype
+        return self.quant.plain and self.offload.resident
 
     def rows(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s stored rows ``[B, n_rows + 1, dim]`` (only for a :attr:`plain` store)."""

@@ -56,6 +56,9 @@ class EvalPreset:
 
 _TABLE1_SHOTS = {"gsm8k": 5, "minerva_math": 4, "humaneval": 0, "mbpp": 3}
 
+#: d2Cache's evaluation settings (its certainty prior and d2Cache itself): GSM8K 5-shot, MATH 4-shot, 256 tokens
+_D2CACHE_TASKS = {"gsm8k": TaskSetting(5, 256), "minerva_math": TaskSetting(4, 256)}
+
 PRESETS: dict[str, EvalPreset] = {
     "table1": EvalPreset(
         "table1",
@@ -87,7 +90,7 @@ PRESETS: dict[str, EvalPreset] = {
         "certainty-prior",
         "d2Cache's certainty prior: one block of 256, one token per step, sigma 10; GSM8K 5-shot, MATH 4-shot "
         "(policy certainty-prior)",
-        {"gsm8k": TaskSetting(5, 256), "minerva_math": TaskSetting(4, 256)},
+        _D2CACHE_TASKS,
         block_length=256,
         options={"commit.sigma?": 10.0},
     ),
@@ -97,7 +100,7 @@ PRESETS: dict[str, EvalPreset] = {
         "d2cache",
         "d2Cache's runs: one block of 256, one token per step, rollout_p 0.1, current_k 32, sigma 10; GSM8K 5-shot, "
         "MATH 4-shot (policy d2cache)",
-        {"gsm8k": TaskSetting(5, 256), "minerva_math": TaskSetting(4, 256)},
+        _D2CACHE_TASKS,
         block_length=256,
         options={"refresh.rollout_p?": 0.1, "refresh.current_k?": 32, "refresh.sigma?": 10.0, "refresh.inflate_w?": 0},
     ),
